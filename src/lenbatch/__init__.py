@@ -1,0 +1,46 @@
+"""lenbatch: length-bucketed dynamic batching for transformer inference.
+
+The pure core (`buckets`, `scheduler`, `collate`, `admission`) is importable without torch or a
+web framework; `Engine` runs it on an asyncio loop in front of a runner; `create_app` serves it.
+"""
+
+from __future__ import annotations
+
+from lenbatch.buckets import BucketSet, default_boundaries
+from lenbatch.clock import Clock, FakeClock, MonotonicClock
+from lenbatch.collate import Collated, collate
+from lenbatch.config import (
+    AdmissionConfig,
+    BatchingConfig,
+    SchedulerConfig,
+    Settings,
+    Strategy,
+    load_settings,
+)
+from lenbatch.queues import Queues
+from lenbatch.request import Request
+from lenbatch.scheduler import Batch, Decision, schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdmissionConfig",
+    "Batch",
+    "BatchingConfig",
+    "BucketSet",
+    "Clock",
+    "Collated",
+    "Decision",
+    "FakeClock",
+    "MonotonicClock",
+    "Queues",
+    "Request",
+    "SchedulerConfig",
+    "Settings",
+    "Strategy",
+    "__version__",
+    "collate",
+    "default_boundaries",
+    "load_settings",
+    "schedule",
+]

@@ -1,0 +1,158 @@
+"""`lenbatch serve`: load a model and serve it over HTTP with length-aware batching."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from lenbatch.config import Settings, Strategy, load_settings
+
+log = logging.getLogger("lenbatch")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 32,64,128, got {text!r}"
+        ) from None
+
+
+def register(sub: Any) -> None:
+    """Add the `serve` subcommand."""
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI-compatible /v1/embeddings)",
+        description="Serve a model with length-bucketed dynamic batching. Settings merge, "
+        "lowest first: defaults, --config FILE (TOML/YAML), LENBATCH_<SECTION>__<FIELD> "
+        "environment variables, then these flags.",
+    )
+    p.add_argument(
+        "--model",
+        help="'minilm' (bundled all-MiniLM-L6-v2, the default) or a "
+        "path to a local Hugging Face model folder",
+    )
+    p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml)")
+    p.add_argument(
+        "--strategy",
+        choices=[s.value for s in Strategy],
+        help="batching strategy (default: bucketed)",
+    )
+    p.add_argument(
+        "--boundaries",
+        type=_int_list,
+        metavar="B1,B2,...",
+        help="bucket upper bounds in tokens, e.g. 32,64,128 (default: the "
+        "model's default; fit your own with `lenbatch fit`)",
+    )
+    p.add_argument("--max-batch", type=int, help="most requests per batch (default 32)")
+    p.add_argument(
+        "--max-wait-ms", type=float, help="longest wait for a batch to fill, ms (default 10)"
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        help="batch token budget: size x padded length (default 8192)",
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument(
+        "--length-log",
+        metavar="FILE",
+        help="append a privacy-safe JSONL log of lengths and timings",
+    )
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        default=None,
+        help="truncate overlong inputs by default instead of rejecting them",
+    )
+    p.add_argument("--device", help="torch device (default cpu)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Merge config file, environment and flags into validated settings."""
+    overrides: dict[str, Any] = {
+        "model": {"name": args.model, "truncate": args.truncate, "device": args.device},
+        "batching": {
+            "strategy": args.strategy,
+            "boundaries": args.boundaries,
+            "max_batch": args.max_batch,
+            "max_wait_ms": args.max_wait_ms,
+            "max_batch_tokens": args.max_batch_tokens,
+        },
+        "server": {
+            "host": args.host,
+            "port": args.port,
+            "api_key": args.api_key,
+            "length_log": args.length_log,
+            "log_level": args.log_level,
+        },
+    }
+    return load_settings(args.config, os.environ, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, build the engine and app, and run uvicorn until stopped."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import uvicorn
+
+    from lenbatch.engine import Engine
+    from lenbatch.lengthlog import LengthLog
+    from lenbatch.runners import load_runner
+    from lenbatch.server import create_app
+
+    m = settings.model
+    runner = load_runner(
+        m.name, device=m.device, max_length=m.max_length, torch_threads=m.torch_threads
+    )
+    length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
+    engine = Engine(
+        runner,
+        settings.batching,
+        settings.admission,
+        default_truncate=m.truncate,
+        length_log=length_log,
+    )
+    log.info(
+        "model %s: max_length=%d dim=%d padding=%s",
+        runner.info.name,
+        runner.info.max_length,
+        runner.info.dim,
+        runner.info.padding_side,
+    )
+    if engine.cfg.strategy is Strategy.BUCKETED:
+        note = ""
+        if engine.uses_default_boundaries:
+            note = (
+                " (the default for this model, not fitted to your traffic: run "
+                "`lenbatch fit` on a trace or length log and pass --boundaries)"
+            )
+        log.info(
+            "strategy bucketed: boundaries %s + overlong lane up to %d%s",
+            list(engine.cfg.boundaries),
+            runner.info.max_length,
+            note,
+        )
+    else:
+        log.info("strategy %s", engine.cfg.strategy.value)
+    app = create_app(engine, settings)
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
+    )
+    return 0

@@ -1,0 +1,324 @@
+"""Configuration: one validated tree, read from a file, the environment and flags in one place.
+
+`Settings` is what `lenbatch serve` runs with. Its `batching` part resolves, once the model's
+length limit is known, into the `SchedulerConfig` that the pure scheduler consumes: plain numbers
+in seconds and tokens, one `LanePolicy` per queue.
+
+Precedence, lowest first: defaults < config file (TOML or YAML) < `LENBATCH_*` environment
+variables < command-line flags. Environment variables name a field as
+`LENBATCH_<SECTION>__<FIELD>` (e.g. `LENBATCH_BATCHING__MAX_WAIT_MS=5`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "AdmissionConfig",
+    "BatchingConfig",
+    "LanePolicy",
+    "ModelConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "Settings",
+    "Strategy",
+    "load_settings",
+]
+
+
+class Strategy(StrEnum):
+    """How requests are grouped into batches. All run through the same engine and scheduler."""
+
+    STATIC = "static"  # one FIFO queue, every batch padded to the model's max length
+    FIFO = "fifo"  # one FIFO queue, padded to the batch's longest (Ray Serve, TorchServe)
+    SORTED = "sorted"  # one queue; a window is sorted by length and cut (Infinity)
+    BUCKETED = "bucketed"  # one FIFO per length bucket + an overlong lane (this project)
+
+    @classmethod
+    def parse(cls, name: str) -> Strategy:
+        """The strategy called `name`, or a ValueError listing the valid names."""
+        try:
+            return cls(name.strip().lower())
+        except ValueError:
+            valid = ", ".join(s.value for s in cls)
+            raise ValueError(f"unknown strategy {name!r}; choose one of: {valid}") from None
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class BatchingConfig(BaseModel):
+    """How requests are queued and batched."""
+
+    model_config = _FROZEN
+
+    strategy: Strategy = Strategy.BUCKETED
+    """Batching strategy: static, fifo, sorted or bucketed."""
+    boundaries: tuple[int, ...] | None = None
+    """Bucket upper bounds in tokens, ascending (bucketed only). None: the model's default."""
+    max_batch: int = Field(32, ge=1)
+    """Most requests in one batch."""
+    max_wait_ms: float = Field(10.0, ge=0)
+    """Longest a queue's oldest request waits for its batch to fill before it is flushed."""
+    max_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one batch: batch size x padded length."""
+    bucket_max_batch: tuple[int, ...] | None = None
+    """Per-bucket max batch (one per boundary); overrides `max_batch`."""
+    bucket_max_wait_ms: tuple[float, ...] | None = None
+    """Per-bucket max wait (one per boundary); overrides `max_wait_ms`."""
+    overlong_max_batch: int = Field(8, ge=1)
+    """Most requests in one batch of the overlong lane (above the last boundary)."""
+    overlong_max_wait_ms: float = Field(50.0, ge=0)
+    """Max wait of the overlong lane."""
+    overlong_max_inflight: int = Field(1, ge=1)
+    """Overlong batches allowed to be running or prepared at once (the lane's quota)."""
+    sorted_window: int = Field(128, ge=1)
+    """`sorted`: how many queued requests are sorted together before cutting batches."""
+    max_concurrent_batches: int = Field(1, ge=1)
+    """Batches the runner executes at the same time (1 on a CPU; more on a GPU)."""
+    prefetch_batches: int = Field(1, ge=0)
+    """Batches formed and collated ahead while the runner is busy."""
+
+    @field_validator("boundaries")
+    @classmethod
+    def _boundaries_increasing(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("boundaries must not be empty (omit them to use the default)")
+        if any(b < 1 for b in v):
+            raise ValueError(f"boundaries must be positive, got {list(v)}")
+        if any(b >= c for b, c in itertools.pairwise(v)):
+            raise ValueError(f"boundaries must be strictly increasing, got {list(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _per_bucket_lengths(self) -> BatchingConfig:
+        for name in ("bucket_max_batch", "bucket_max_wait_ms"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if self.boundaries is None or len(values) != len(self.boundaries):
+                n = None if self.boundaries is None else len(self.boundaries)
+                raise ValueError(
+                    f"{name} has {len(values)} values but there are {n} boundaries; "
+                    "give one value per boundary"
+                )
+            if any(x < (1 if name == "bucket_max_batch" else 0) for x in values):
+                raise ValueError(f"{name} values must be positive, got {list(values)}")
+        return self
+
+    def resolve(self, max_length: int, default_boundaries: tuple[int, ...] = ()) -> SchedulerConfig:
+        """The scheduler's view of this config for a model that accepts `max_length` tokens."""
+        if self.strategy is not Strategy.BUCKETED:
+            lane = LanePolicy(
+                upper=max_length,
+                max_batch=self.max_batch,
+                max_wait=self.max_wait_ms / 1000,
+                pad_to=max_length if self.strategy is Strategy.STATIC else None,
+            )
+            return SchedulerConfig(
+                strategy=self.strategy,
+                boundaries=(),
+                lanes=(lane,),
+                max_length=max_length,
+                max_batch_tokens=self.max_batch_tokens,
+                slots=self.max_concurrent_batches + self.prefetch_batches,
+                sorted_window=self.sorted_window,
+            )
+        bounds = tuple(b for b in (self.boundaries or default_boundaries))
+        if not bounds:
+            raise ValueError("bucketed strategy needs boundaries (none given and no default)")
+        if bounds[-1] > max_length:
+            raise ValueError(
+                f"last boundary {bounds[-1]} exceeds the model's max length {max_length}"
+            )
+        batches = self.bucket_max_batch or (self.max_batch,) * len(bounds)
+        waits = self.bucket_max_wait_ms or (self.max_wait_ms,) * len(bounds)
+        lanes = [
+            LanePolicy(upper=b, max_batch=n, max_wait=w / 1000)
+            for b, n, w in zip(bounds, batches, waits, strict=True)
+        ]
+        lanes.append(
+            LanePolicy(
+                upper=max_length,
+                max_batch=self.overlong_max_batch,
+                max_wait=self.overlong_max_wait_ms / 1000,
+                quota=self.overlong_max_inflight,
+            )
+        )
+        return SchedulerConfig(
+            strategy=self.strategy,
+            boundaries=bounds,
+            lanes=tuple(lanes),
+            max_length=max_length,
+            max_batch_tokens=self.max_batch_tokens,
+            slots=self.max_concurrent_batches + self.prefetch_batches,
+            sorted_window=self.sorted_window,
+        )
+
+
+class ModelConfig(BaseModel):
+    """Which model to serve and how to run it."""
+
+    model_config = _FROZEN
+
+    name: str = "minilm"
+    """`minilm` (the bundled all-MiniLM-L6-v2) or a path to a local Hugging Face model folder."""
+    truncate: bool = False
+    """Default for requests that do not say: truncate inputs over the model limit (else: error)."""
+    max_length: int | None = Field(None, ge=1)
+    """Override the model's input limit in tokens (never above what the model supports)."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:1, ..."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads for torch on CPU (None: torch's default)."""
+
+
+class ServerConfig(BaseModel):
+    """The HTTP layer."""
+
+    model_config = _FROZEN
+
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default: expose deliberately."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port (0 picks a free one)."""
+    api_key: str | None = None
+    """If set, every endpoint but /health requires `Authorization: Bearer <key>`."""
+    served_model_name: str | None = None
+    """The `model` name reported in responses (default: derived from the model)."""
+    max_inputs_per_request: int = Field(2048, ge=1)
+    """Most inputs one /v1/embeddings call may carry."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest accepted request body."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS; empty means CORS is off."""
+    length_log: str | None = None
+    """Path of a JSONL log of (id, arrival, length, bucket, queue wait, exec time); no text."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On SIGTERM, how long queued and running requests may take to finish."""
+    log_level: str = "info"
+    """Log level of lenbatch and uvicorn."""
+
+
+class AdmissionConfig(BaseModel):
+    """Limits applied before a request is queued."""
+
+    model_config = _FROZEN
+
+    max_queue_total: int = Field(4096, ge=1)
+    """Most requests waiting in all queues together; beyond it new ones get 429."""
+    max_queue_per_bucket: int | None = Field(None, ge=1)
+    """Most requests waiting in one queue (None: only the total applies)."""
+    tokens_per_s: float | None = Field(None, gt=0)
+    """Token-bucket refill rate in tokens per second (None: no rate limit)."""
+    burst_tokens: int | None = Field(None, ge=1)
+    """Token-bucket size (default: one second of `tokens_per_s`)."""
+    request_timeout_s: float | None = Field(None, gt=0)
+    """Default deadline of a request from its arrival (None: no deadline)."""
+
+
+class Settings(BaseModel):
+    """Everything `lenbatch serve` runs with."""
+
+    model_config = _FROZEN
+
+    model: ModelConfig = ModelConfig()
+    batching: BatchingConfig = BatchingConfig()
+    server: ServerConfig = ServerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class LanePolicy:
+    """The scheduler's rules for one queue (a bucket, the overlong lane, or the single queue)."""
+
+    upper: int  # longest request this lane takes, in tokens
+    max_batch: int
+    max_wait: float  # seconds
+    pad_to: int | None = None  # fixed padded length (static strategy), else pad to batch max
+    quota: int | None = None  # most batches of this lane in flight (overlong lane)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What `schedule()` needs, resolved: one `LanePolicy` per queue, times in seconds."""
+
+    strategy: Strategy
+    boundaries: tuple[int, ...]
+    lanes: tuple[LanePolicy, ...]
+    max_length: int
+    max_batch_tokens: int
+    slots: int  # batches that may be running or prepared at once
+    sorted_window: int = 128
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        return data
+    raise ValueError(f"{path}: config files must end in .toml, .yaml or .yml")
+
+
+_LIST_FIELDS = frozenset({"boundaries", "bucket_max_batch", "bucket_max_wait_ms", "cors_origins"})
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith("LENBATCH_") or "__" not in key:
+            continue
+        section, _, field = key[len("LENBATCH_") :].lower().partition("__")
+        if section not in Settings.model_fields:
+            raise ValueError(f"{key}: unknown section {section!r}")
+        parsed: Any = value
+        if field in _LIST_FIELDS:
+            parsed = [v.strip() for v in value.split(",") if v.strip()]
+        out.setdefault(section, {})[field] = parsed
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping):
+            merged[key] = _merge(merged.get(key) or {}, value)
+        elif value is not None:
+            merged[key] = value
+    return merged
+
+
+def load_settings(
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge a config file, `LENBATCH_*` variables and flag overrides into validated Settings.
+
+    `overrides` is nested like the file (`{"batching": {"strategy": "fifo"}}`); None values are
+    ignored so unset flags do not mask the file or environment.
+    """
+    data: dict[str, Any] = {}
+    if file is not None:
+        data = _read_file(Path(file))
+    data = _merge(data, _env_overrides(os.environ if env is None else env))
+    if overrides:
+        data = _merge(data, overrides)
+    return Settings.model_validate(data)

@@ -1,0 +1,85 @@
+"""The model's cost as a function of batch shape: what `profile` writes and `simulate` reads.
+
+    latency_s(B, L) = const + per_row*B + per_token*B*L + per_token_sq*B*L^2
+    memory_bytes(B, L) = weights + act_const + act_per_token*B*L + act_per_token_sq*B*L^2
+
+B is the batch size and L the padded length: on this hardware cost follows *padded* tokens,
+which is why padding is the thing to remove. Stored as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CostModel"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency and memory of one batch of `B` rows padded to `L` tokens."""
+
+    const: float
+    per_row: float = 0.0
+    per_token: float = 0.0
+    per_token_sq: float = 0.0
+    weights_bytes: float = 0.0
+    act_const: float = 0.0
+    act_per_token: float = 0.0
+    act_per_token_sq: float = 0.0
+    model: str = ""
+    device: str = "cpu"
+    fit_error: float = math.nan  # relative RMS error of the latency fit on its own points
+    points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
+
+    def latency(self, batch: int, padded_len: int) -> float:
+        """Predicted seconds to run `batch` rows padded to `padded_len` tokens."""
+        bl = batch * padded_len
+        return (
+            self.const
+            + self.per_row * batch
+            + self.per_token * bl
+            + self.per_token_sq * bl * padded_len
+        )
+
+    def activation_bytes(self, batch: int, padded_len: int) -> float:
+        """Predicted activation memory of one batch (excluding weights)."""
+        bl = batch * padded_len
+        return max(
+            0.0, self.act_const + self.act_per_token * bl + self.act_per_token_sq * bl * padded_len
+        )
+
+    def memory(self, batch: int, padded_len: int) -> float:
+        """Predicted peak bytes while running one batch: weights + activations."""
+        return self.weights_bytes + self.activation_bytes(batch, padded_len)
+
+    def max_batch(self, padded_len: int, budget_bytes: float, cap: int = 1024) -> int:
+        """Largest batch of `padded_len` tokens whose predicted memory fits `budget_bytes`
+        (0 if not even one row fits)."""
+        best = 0
+        for b in range(1, cap + 1):
+            if self.memory(b, padded_len) > budget_bytes:
+                break
+            best = b
+        return best
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostModel:
+        """Build from `to_json()` output (unknown keys are an error)."""
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        """Write as JSON."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """Read a cost model written by `save` (or `lenbatch profile --out`)."""
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))

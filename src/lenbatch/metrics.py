@@ -1,0 +1,230 @@
+"""What the server measures: per-bucket batch size, real and padded tokens, padding waste, queue
+wait, execution time, end-to-end latency, queue depths, memory.
+
+`Metrics` keeps Prometheus series in a private registry (for `/metrics`) and a bounded window of
+recent samples (for `/stats` percentiles). Padding waste is token-weighted:
+`1 - sum(real) / sum(padded)`. Nothing here ever sees request text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lenbatch.runners.memory import peak_rss
+
+__all__ = ["Metrics", "percentile"]
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_WASTE_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+_WINDOW = 10_000
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (an observed value), as the project reports everywhere."""
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q, method="inverted_cdf"))
+
+
+@dataclass
+class _LaneStats:
+    batches: int = 0
+    requests: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    exec_s: float = 0.0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+
+
+class Metrics:
+    """Recorder for one engine: call `record_batch` per batch and `record_request` per answer."""
+
+    def __init__(self, lane_labels: Sequence[str], strategy: str) -> None:
+        self.labels = list(lane_labels)
+        self.strategy = strategy
+        self.started = time.time()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        lb = ["bucket"]
+        self.batch_size = Histogram(
+            "lenbatch_batch_size", "Requests per batch", lb, buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.real_tokens = Counter("lenbatch_real_tokens", "Input tokens computed", lb, registry=r)
+        self.padded_tokens = Counter(
+            "lenbatch_padded_tokens", "Tokens computed including padding", lb, registry=r
+        )
+        self.batch_waste = Histogram(
+            "lenbatch_batch_padding_waste",
+            "Padding waste per batch (1 - real/padded)",
+            lb,
+            buckets=_WASTE_BUCKETS,
+            registry=r,
+        )
+        self.waste = Gauge(
+            "lenbatch_padding_waste", "Token-weighted padding waste since start", lb, registry=r
+        )
+        self.queue_wait = Histogram(
+            "lenbatch_queue_wait_seconds",
+            "Time from arrival to batch start",
+            lb,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.exec_time = Histogram(
+            "lenbatch_batch_exec_seconds",
+            "Model execution time per batch",
+            lb,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "lenbatch_request_latency_seconds",
+            "Arrival to answer, per input",
+            lb,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.depth = Gauge("lenbatch_queue_depth", "Requests waiting", lb, registry=r)
+        self.requests = Counter(
+            "lenbatch_requests", "Answered inputs by outcome", ["bucket", "status"], registry=r
+        )
+        self.rejected = Counter(
+            "lenbatch_rejected", "Calls refused at admission", ["reason"], registry=r
+        )
+        self.inflight = Gauge(
+            "lenbatch_batches_in_flight", "Batches running or prepared", registry=r
+        )
+        self.peak_rss = Gauge("lenbatch_peak_rss_bytes", "Process RSS high-water mark", registry=r)
+        self.weights = Gauge("lenbatch_weights_bytes", "Model parameter bytes", registry=r)
+        self.activations = Gauge(
+            "lenbatch_peak_activation_bytes", "Peak memory above weights", registry=r
+        )
+        self._lanes = [_LaneStats() for _ in self.labels]
+        self._all_latencies: deque[float] = deque(maxlen=_WINDOW)
+        self._status_counts: dict[str, int] = {}
+        self._rejections: dict[str, int] = {}
+        self._memory: dict[str, Any] = {}
+
+    def record_batch(
+        self,
+        lane: int,
+        size: int,
+        real: int,
+        padded: int,
+        exec_s: float,
+        queue_waits: Sequence[float],
+    ) -> None:
+        """One batch ran: its size, tokens, execution time and each member's queue wait."""
+        label = self.labels[lane]
+        s = self._lanes[lane]
+        s.batches += 1
+        s.requests += size
+        s.real_tokens += real
+        s.padded_tokens += padded
+        s.exec_s += exec_s
+        s.waits.extend(queue_waits)
+        self.batch_size.labels(label).observe(size)
+        self.real_tokens.labels(label).inc(real)
+        self.padded_tokens.labels(label).inc(padded)
+        self.batch_waste.labels(label).observe(1 - real / padded if padded else 0.0)
+        self.waste.labels(label).set(1 - s.real_tokens / s.padded_tokens if s.padded_tokens else 0)
+        self.exec_time.labels(label).observe(exec_s)
+        hist = self.queue_wait.labels(label)
+        for w in queue_waits:
+            hist.observe(w)
+
+    def record_request(self, lane: int, latency_s: float | None, status: str) -> None:
+        """One input was answered (`latency_s` None when it never ran)."""
+        label = self.labels[lane] if 0 <= lane < len(self.labels) else "none"
+        self.requests.labels(label, status).inc()
+        self._status_counts[status] = self._status_counts.get(status, 0) + 1
+        if latency_s is not None and status == "ok":
+            self.latency.labels(label).observe(latency_s)
+            self._lanes[lane].latencies.append(latency_s)
+            self._all_latencies.append(latency_s)
+
+    def record_rejection(self, reason: str) -> None:
+        """A call was refused before queueing."""
+        self.rejected.labels(reason).inc()
+        self._rejections[reason] = self._rejections.get(reason, 0) + 1
+
+    def set_depths(self, depths: Sequence[int], inflight: int) -> None:
+        """Current queue depth per lane and batches in flight."""
+        for label, d in zip(self.labels, depths, strict=True):
+            self.depth.labels(label).set(d)
+        self.inflight.set(inflight)
+
+    def set_memory(self, weights: int, activations: int, device: str) -> None:
+        """Latest memory reading from the runner."""
+        rss = peak_rss()
+        self.peak_rss.set(rss)
+        self.weights.set(weights)
+        self.activations.set(activations)
+        self._memory = {
+            "device": device,
+            "weights_mb": weights / 2**20,
+            "peak_activations_mb": activations / 2**20,
+            "peak_rss_mb": rss / 2**20,
+        }
+
+    def prometheus(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-ready summary: totals, token-weighted waste, latency percentiles per bucket."""
+        per_bucket = []
+        real = padded = 0
+        for label, s in zip(self.labels, self._lanes, strict=True):
+            real += s.real_tokens
+            padded += s.padded_tokens
+            per_bucket.append(
+                {
+                    "bucket": label,
+                    "batches": s.batches,
+                    "requests": s.requests,
+                    "mean_batch_size": s.requests / s.batches if s.batches else 0.0,
+                    "real_tokens": s.real_tokens,
+                    "padded_tokens": s.padded_tokens,
+                    "padding_waste": 1 - s.real_tokens / s.padded_tokens
+                    if s.padded_tokens
+                    else 0.0,
+                    "mean_exec_ms": 1000 * s.exec_s / s.batches if s.batches else 0.0,
+                    "queue_wait_p50_ms": 1000 * percentile(s.waits, 50) if s.waits else None,
+                    "queue_wait_p95_ms": 1000 * percentile(s.waits, 95) if s.waits else None,
+                    "p50_ms": 1000 * percentile(s.latencies, 50) if s.latencies else None,
+                    "p95_ms": 1000 * percentile(s.latencies, 95) if s.latencies else None,
+                    "p99_ms": 1000 * percentile(s.latencies, 99) if s.latencies else None,
+                }
+            )
+        lat = self._all_latencies
+        batches = sum(s.batches for s in self._lanes)
+        requests = sum(s.requests for s in self._lanes)
+        return {
+            "strategy": self.strategy,
+            "uptime_s": time.time() - self.started,
+            "requests": dict(self._status_counts),
+            "rejected": dict(self._rejections),
+            "batches": batches,
+            "mean_batch_size": requests / batches if batches else 0.0,
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "padding_waste": 1 - real / padded if padded else 0.0,
+            "p50_ms": 1000 * percentile(lat, 50) if lat else None,
+            "p95_ms": 1000 * percentile(lat, 95) if lat else None,
+            "p99_ms": 1000 * percentile(lat, 99) if lat else None,
+            "memory": dict(self._memory),
+            "per_bucket": per_bucket,
+        }

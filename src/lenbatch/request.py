@@ -1,0 +1,53 @@
+"""The unit of work: one input, already tokenized, plus its timing facts.
+
+A `Request` never holds the request text: by the time it exists the text has been tokenized
+and dropped. What it carries is safe to log: an anonymous id, the length, and times.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = ["Request", "RequestStatus", "new_request_id"]
+
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A process-unique anonymous id (a counter, carries nothing about the content)."""
+    return f"r{next(_ids):x}"
+
+
+class RequestStatus(StrEnum):
+    """Where a request ended up; one of these per admitted request."""
+
+    OK = "ok"
+    ERROR = "error"  # the model failed on it
+    EXPIRED = "expired"  # its deadline passed before it ran
+    CANCELLED = "cancelled"  # the client went away
+    REJECTED = "rejected"  # never admitted (limits)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One tokenized input waiting to be batched.
+
+    `length` is the token count that decides the bucket; `token_ids` may be empty in the
+    simulator, where only lengths matter. `arrival` and `deadline` are clock times in seconds.
+    """
+
+    length: int
+    arrival: float
+    token_ids: list[int] | None = None
+    id: str = field(default_factory=new_request_id)
+    deadline: float | None = None
+    priority: int = 0
+    # Set by the queues when the request is pushed; the lane it waits in.
+    lane: int = -1
+    # Opaque slot for the layer that owns the request (engine future, simulator record, ...).
+    handle: Any = None
+    # Per-request extras for the runner (e.g. generation parameters); never logged.
+    params: Any = None

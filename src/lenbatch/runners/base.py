@@ -1,0 +1,62 @@
+"""The narrow contract between the engine and a model.
+
+The engine only needs to know a model's length limit and padding rules (`ModelInfo`), how to
+turn text into token ids (`tokenize`), and how to run one collated batch (`embed`). Everything
+above this line is testable with the deterministic `FakeRunner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from lenbatch.collate import Collated
+
+__all__ = ["EmbeddingRunner", "ModelInfo", "RunnerMemory"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine must know about a model to queue, pad and answer for it."""
+
+    name: str  # reported as `model` in API responses
+    max_length: int  # longest input in tokens, special tokens included
+    pad_token_id: int
+    padding_side: Literal["right", "left"]
+    needs_position_ids: bool  # absolute positions + left padding: pass positions explicitly
+    vocab_size: int
+    dim: int = 0  # embedding width (0 if not an embedding model)
+    kind: Literal["embedding", "generate"] = "embedding"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerMemory:
+    """Memory a runner accounts for, in bytes, kept apart as the seed asks."""
+
+    weights: int
+    peak_activations: int  # peak over the process lifetime beyond weights (CPU: RSS-based)
+    device: str
+
+
+@runtime_checkable
+class EmbeddingRunner(Protocol):
+    """A model that maps each row of a padded batch to one vector."""
+
+    info: ModelInfo
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Token ids of each text, special tokens included; cut to `max_length` only if
+        `truncate`, so callers can tell overlong inputs apart."""
+        ...
+
+    def embed(self, batch: Collated) -> npt.NDArray[np.float32]:
+        """One float32 vector per row of `batch`, `[rows, dim]`; must not depend on padding."""
+        ...
+
+    def memory(self) -> RunnerMemory:
+        """Weights and activation memory as measured now."""
+        ...

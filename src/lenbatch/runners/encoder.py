@@ -1,0 +1,159 @@
+"""A Hugging Face encoder (`AutoModel`) with sentence-transformers pooling.
+
+Reads the model folder's sentence-transformers files when present: `modules.json` (is there a
+Normalize module?), the pooling folder's `config.json` (mean / cls / max / last-token) and
+`sentence_bert_config.json` (`max_seq_length`). Without them it falls back to mean pooling
+without normalisation and the tokenizer's limit, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from lenbatch.collate import Collated
+from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.memory import current_rss, peak_rss
+
+__all__ = ["EncoderRunner", "read_pooling"]
+
+log = logging.getLogger("lenbatch.runner")
+
+# sentence-transformers pooling config key -> our pooling mode, in its order of precedence
+_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+
+
+def read_pooling(folder: Path) -> tuple[str, bool, int | None]:
+    """(pooling mode, normalize?, max_seq_length) from a sentence-transformers folder."""
+    mode, normalize, max_len = "mean", False, None
+    modules_file = folder / "modules.json"
+    if modules_file.exists():
+        modules = json.loads(modules_file.read_text())
+        for m in modules:
+            kind = m.get("type", "")
+            if kind.endswith("Normalize"):
+                normalize = True
+            if kind.endswith("Pooling"):
+                cfg_file = folder / m.get("path", "") / "config.json"
+                if cfg_file.exists():
+                    pcfg = json.loads(cfg_file.read_text())
+                    enabled = [v for k, v in _POOLING_KEYS.items() if pcfg.get(k)]
+                    if len(enabled) > 1:
+                        raise ValueError(f"{cfg_file}: several pooling modes {enabled} at once")
+                    mode = enabled[0] if enabled else mode
+    st_file = folder / "sentence_bert_config.json"
+    if st_file.exists():
+        max_len = json.loads(st_file.read_text()).get("max_seq_length")
+    return mode, normalize, max_len
+
+
+class EncoderRunner:
+    """Runs an encoder on collated batches and pools each row into one vector."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        name: str | None = None,
+        device: str = "cpu",
+        max_length: int | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        self.folder = Path(folder)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.device = torch.device(device)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
+        self.model: Any = AutoModel.from_pretrained(self.folder).to(self.device).eval()
+        self.pooling, self.normalize, st_max = read_pooling(self.folder)
+        if not (self.folder / "modules.json").exists():
+            log.warning(
+                "no sentence-transformers config in %s: mean pooling, no normalize", self.folder
+            )
+        cfg = self.model.config
+        limits = [
+            st_max,
+            getattr(cfg, "max_position_embeddings", None),
+            self.tokenizer.model_max_length if self.tokenizer.model_max_length < 10**6 else None,
+        ]
+        model_limit = min(x for x in limits if x)
+        if max_length is not None and max_length > model_limit:
+            raise ValueError(f"max_length {max_length} exceeds the model's limit {model_limit}")
+        limit = max_length or model_limit
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.info = ModelInfo(
+            name=name or self.folder.name,
+            max_length=int(limit),
+            pad_token_id=int(pad_id),
+            padding_side="left" if self.tokenizer.padding_side == "left" else "right",
+            # BERT-like encoders are right-padded; positions default to 0..n-1 per row, which
+            # is correct there. Left-padded absolute-position models need them explicitly.
+            needs_position_ids=self.tokenizer.padding_side == "left",
+            vocab_size=int(cfg.vocab_size),
+            dim=int(cfg.hidden_size),
+        )
+        self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._rss_after_load = current_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Token ids with special tokens; truncated to the limit only when asked."""
+        enc = self.tokenizer(
+            list(texts),
+            add_special_tokens=True,
+            truncation=truncate,
+            max_length=self.info.max_length if truncate else None,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return [list(ids) for ids in enc["input_ids"]]
+
+    @torch.inference_mode()
+    def embed(self, batch: Collated) -> npt.NDArray[np.float32]:
+        """Forward pass, pooling over real tokens only, optional L2 normalisation."""
+        ids = torch.from_numpy(batch.input_ids).to(self.device)
+        mask = torch.from_numpy(batch.attention_mask).to(self.device)
+        kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        if batch.position_ids is not None:
+            kwargs["position_ids"] = torch.from_numpy(batch.position_ids).to(self.device)
+        hidden = self.model(**kwargs).last_hidden_state
+        pooled = self._pool(hidden, mask)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        out: npt.NDArray[np.float32] = pooled.float().cpu().numpy()
+        return out
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        if self.pooling == "mean":
+            return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        if self.pooling == "max":
+            return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(1).values
+        if self.pooling == "cls":
+            first = mask.argmax(1)  # first real token, whatever the padding side
+            return hidden[torch.arange(hidden.shape[0]), first]
+        # last token: the last real one on either padding side
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+        return hidden[torch.arange(hidden.shape[0]), last]
+
+    def memory(self) -> RunnerMemory:
+        """Weights (parameter bytes) apart from peak activations."""
+        if self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device)) - self._weights
+            return RunnerMemory(self._weights, max(peak, 0), str(self.device))
+        return RunnerMemory(self._weights, max(peak_rss() - self._rss_after_load, 0), "cpu")
