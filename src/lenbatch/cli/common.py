@@ -9,12 +9,15 @@ from lenbatch.trace import Trace, load_trace, map_trace
 __all__ = ["add_trace_options", "trace_from_args"]
 
 
-def add_trace_options(p: argparse.ArgumentParser) -> None:
+def add_trace_options(p: argparse.ArgumentParser, *, optional_trace: bool = False) -> None:
     """Add TRACE and the explicit mapping options (applied in this order: window, length
-    scale, max length, rate scale, limit)."""
+    scale, max length, rate scale, limit). `optional_trace` lets a command take its traffic
+    from elsewhere (replay and bench: `--scenario`)."""
     p.add_argument(
         "trace",
         metavar="TRACE",
+        nargs="?" if optional_trace else None,
+        default=None,
         help="trace file, or a bundled trace: azure-conv, mooncake, sharegpt",
     )
     g = p.add_argument_group("trace mapping (reported with the results)")
