@@ -271,7 +271,7 @@ def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
             )
         )
     finally:
-        server.stop()
+        returncode = server.stop()
     summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
     summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
     summary["peak_memory_mb"] = server.peak_rss / 2**20 if server.peak_rss else None
@@ -287,6 +287,8 @@ def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
                 "kind": target.kind,
                 "rate": rate,
                 "command": target.command(server.port),
+                "pid": server.proc.pid,
+                "returncode": returncode,
                 "summary": summary,
                 "predicted": predicted,
                 "result": result.to_json(),

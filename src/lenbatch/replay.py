@@ -333,6 +333,8 @@ def _stats_delta(
         "padding_waste": 1 - tot["real"] / tot["padded"] if tot["padded"] else None,
         "mean_batch_size": tot["requests"] / tot["batches"] if tot["batches"] else None,
         "batches": tot["batches"],
+        "real_tokens": tot["real"],
+        "padded_tokens": tot["padded"],
         "mean_exec_ms": 1000 * tot["exec_s"] / tot["batches"] if tot["batches"] else None,
     }
     return overall, lanes
@@ -396,6 +398,8 @@ def summarize_replay(
             "model": after.get("model"),
             "boundaries": server_bounds,
             "batches": None if delta is None else delta[0]["batches"],
+            "real_tokens": None if delta is None else delta[0]["real_tokens"],
+            "padded_tokens": None if delta is None else delta[0]["padded_tokens"],
             "mean_exec_ms": None if delta is None else delta[0]["mean_exec_ms"],
             "memory": after.get("memory"),
             "lanes": None if delta is None else delta[1],

@@ -16,14 +16,17 @@ or SIGINT (no raylet left behind). Needs `pip install 'lenbatch[ray]'`.
     python -m lenbatch.peers.ray_serve --port 8102 [--model minilm]
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Ray pickles the deployment class into its
+# replica, where FastAPI must see the handlers' annotations as real types, not strings.
 import argparse
 import asyncio
 import os
 import signal
 import threading
 from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 __all__ = ["main"]
 
@@ -47,15 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
     from ray import serve
 
     from lenbatch.peers.common import PlainEncoder, response, texts_of
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
 
     ray.init(
         num_cpus=args.cpus,
@@ -63,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+    # After ray.init, which installs its own handlers: ours let `finally` shut Ray down.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         app = FastAPI()
@@ -78,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                 return {"status": "ok"}
 
             @app.post("/v1/embeddings")
-            async def embeddings(self, body: dict[str, Any]) -> Any:
+            async def embeddings(self, request: Request) -> Any:
                 try:
+                    body = await request.json()
                     inputs = texts_of(body.get("input"))
-                except ValueError as exc:
+                except (ValueError, AttributeError) as exc:
                     return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
                 vectors = await asyncio.gather(*(self.embed_batch(x) for x in inputs))
                 return response(list(vectors), self.encoder.name, 0)
