@@ -238,6 +238,25 @@ def machine_description() -> str:
     return f"{model}, {cores} cores{mem}; load average at start {load}"
 
 
+def software_description() -> str:
+    """Versions that change the figures: Python, torch, transformers, and whether uvicorn
+    finds uvloop/httptools (the Ray extra installs them; they speed up every server)."""
+    import importlib.metadata as md
+    import platform
+
+    def version(name: str) -> str:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "absent"
+
+    return (
+        f"Python {platform.python_version()}, torch {version('torch')}, transformers "
+        f"{version('transformers')}, uvicorn {version('uvicorn')} (uvloop {version('uvloop')}, "
+        f"httptools {version('httptools')}), ray {version('ray')}"
+    )
+
+
 def _scaled(plan: ReplayPlan, rate: float) -> ReplayPlan:
     if rate == 1.0:
         return plan
@@ -315,6 +334,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
             records.append(rec)
     meta = dict(cfg.meta)
     meta.setdefault("machine", machine_description())
+    meta.setdefault("software", software_description())
     return write_report(cfg.report_dir, records, meta)
 
 
