@@ -84,3 +84,40 @@ def test_predictor_simulates_the_bench_plan(tmp_path: Path) -> None:
     assert seen["cost"].model == "m" and seen["kw"] == {"max_length": 256}
     assert "cost.json" in note
     json.dumps(note)
+
+
+def _traffic(argv: list[str]) -> Traffic:
+    from lenbatch.cli import build_parser
+    from lenbatch.cli.traffic import traffic_from_args
+
+    return traffic_from_args(build_parser().parse_args(argv))
+
+
+def test_scenario_traffic_is_built_with_real_lengths() -> None:
+    """`--scenario` builds seeded arrivals and text bodies sized by the model's tokenizer."""
+    argv = ["replay", "--scenario", "long-heavy", "--rate", "5", "--duration", "4"]
+    t = _traffic([*argv, "--max-length", "256", "--seed", "2", "--url", "http://127.0.0.1:1"])
+    assert 5 <= len(t.plan) <= 40
+    assert t.plan.lengths.max() <= 256
+    assert float(np.mean(t.plan.lengths == 256)) > 0.4  # long-heavy: whole speeches, clipped
+    assert any("scenario long-heavy" in n for n in t.plan.notes)
+    body = json.loads(t.plan.bodies[0])
+    assert isinstance(body["input"], str) and "model" not in body
+
+
+def test_completions_traffic_carries_output_lengths() -> None:
+    """With `--endpoint completions`, max_tokens is the trace's output length."""
+    argv = ["replay", "azure-conv", "--endpoint", "completions", "--limit", "3"]
+    t = _traffic([*argv, "--length-scale", "0.0625", "--url", "http://127.0.0.1:1"])
+    assert t.plan.output_lengths is not None
+    got = [json.loads(b)["max_tokens"] for b in t.plan.bodies]
+    assert got == t.plan.output_lengths.tolist()
+    assert all(json.loads(b)["stream"] is True for b in t.plan.bodies)
+
+
+def test_traffic_needs_exactly_one_source() -> None:
+    """Neither or both of TRACE and --scenario is a clear error."""
+    with pytest.raises(ValueError, match="TRACE or --scenario"):
+        _traffic(["replay", "--url", "http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="not both"):
+        _traffic(["replay", "azure-conv", "--scenario", "mixed", "--url", "http://127.0.0.1:1"])

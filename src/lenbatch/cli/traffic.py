@@ -121,6 +121,8 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
             overflow=args.overflow,
             rate_scale=args.rate_scale,
             limit=args.limit,
+            start_s=args.start,
+            end_s=args.end,
         )
     else:
         trace = trace_from_args(args)
