@@ -122,12 +122,16 @@ class CompletionsEndpoint:
     path = "/v1/completions"
     streams = True
 
-    def __init__(self, model: str | None = None, default_max_tokens: int = 16) -> None:
+    def __init__(
+        self, model: str | None = None, default_max_tokens: int = 16, ignore_eos: bool = True
+    ) -> None:
         self.model = model
         self.default_max_tokens = default_max_tokens
+        self.ignore_eos = ignore_eos
 
     def body(self, payload: str | list[int], output_tokens: int | None) -> bytes:
-        """Streaming completion request; greedy so runs are repeatable."""
+        """Streaming completion request; greedy so runs are repeatable. `ignore_eos` (as in
+        vLLM and lenbatch) makes the server generate exactly the trace's output length."""
         data: dict[str, Any] = {
             "prompt": payload,
             "max_tokens": int(output_tokens or self.default_max_tokens),
@@ -135,6 +139,8 @@ class CompletionsEndpoint:
             "stream_options": {"include_usage": True},
             "temperature": 0.0,
         }
+        if self.ignore_eos:
+            data["ignore_eos"] = True
         if self.model is not None:
             data["model"] = self.model
         return json.dumps(data, separators=(",", ":")).encode()
@@ -188,10 +194,10 @@ class CompletionsEndpoint:
 ENDPOINTS = ("embeddings", "completions")
 
 
-def make_endpoint(name: str, model: str | None = None) -> Endpoint:
+def make_endpoint(name: str, model: str | None = None, ignore_eos: bool = True) -> Endpoint:
     """The endpoint called `name` (`embeddings` or `completions`)."""
     if name == "embeddings":
         return EmbeddingsEndpoint(model)
     if name == "completions":
-        return CompletionsEndpoint(model)
+        return CompletionsEndpoint(model, ignore_eos=ignore_eos)
     raise ValueError(f"unknown endpoint {name!r}; choose one of: {', '.join(ENDPOINTS)}")

@@ -112,6 +112,11 @@ def test_completions_traffic_carries_output_lengths() -> None:
     assert t.plan.output_lengths is not None
     got = [json.loads(b)["max_tokens"] for b in t.plan.bodies]
     assert got == t.plan.output_lengths.tolist()
+    argv += ["--output-scale", "0.5", "--max-output", "40"]
+    t2 = _traffic([*argv, "--length-scale", "0.0625", "--url", "http://127.0.0.1:1"])
+    assert t2.plan.output_lengths is not None
+    expect = np.minimum(np.maximum(1, np.rint(t.plan.output_lengths * 0.5)), 40)
+    assert t2.plan.output_lengths.tolist() == expect.tolist()
     assert all(json.loads(b)["stream"] is True for b in t.plan.bodies)
 
 

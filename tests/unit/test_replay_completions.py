@@ -37,6 +37,7 @@ def test_body_is_a_streaming_completion_request() -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
+        "ignore_eos": True,
         "model": "tiny",
     }
 

@@ -69,6 +69,26 @@ def add_traffic_options(p: argparse.ArgumentParser) -> None:
         help="send this `model` name in each body (default: none)",
     )
     r.add_argument(
+        "--output-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="completions: multiply the trace's output lengths by X (at least 1 token)",
+    )
+    r.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        metavar="N",
+        help="completions: clip output lengths to N tokens",
+    )
+    r.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="completions: do not send ignore_eos=true (outputs may then stop before the "
+        "trace's length)",
+    )
+    r.add_argument(
         "--clients", type=int, default=16, help="HTTP clients to spread requests over (16)"
     )
     r.add_argument(
@@ -134,8 +154,8 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
             arrivals=trace.arrivals[keep],
             output_lengths=None if trace.output_lengths is None else trace.output_lengths[keep],
         )
-    if args.endpoint == "completions" and trace.output_lengths is None:
-        raise ValueError("--endpoint completions needs output lengths; this trace has none")
+    if args.endpoint == "completions":
+        trace = _map_outputs(trace, args.output_scale, args.max_output)
     if args.payload == "text":
         bodies = builder.texts(trace.input_lengths, seed=args.seed)
     else:
@@ -148,11 +168,28 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
         diff = np.abs(bodies.lengths - trace.input_lengths)
         note += f" (others off by at most {int(diff.max())} tokens; real lengths are reported)"
         print(f"replay: {note}", file=sys.stderr)
-    endpoint = make_endpoint(args.endpoint, args.served_model)
+    endpoint = make_endpoint(args.endpoint, args.served_model, not args.no_ignore_eos)
     plan = plan_from_trace(trace, endpoint, bodies.inputs, bodies.lengths, notes=(note,))
     warm = builder.texts([8, 32, 64, 16], seed=args.seed + 1)
     warmup = [endpoint.body(x, 4) for x in warm.inputs]
     return Traffic(trace, plan, endpoint, warmup, args.max_length)
+
+
+def _map_outputs(trace: Trace, scale: float, limit: int | None) -> Trace:
+    """Output lengths for completions, scaled and clipped, each step noted."""
+    if trace.output_lengths is None:
+        raise ValueError("--endpoint completions needs output lengths; this trace has none")
+    if scale <= 0:
+        raise ValueError(f"--output-scale must be positive, got {scale}")
+    out = trace.output_lengths
+    if scale != 1.0:
+        out = np.maximum(1, np.rint(out * scale)).astype(np.int64)
+        trace = trace.with_note(f"output lengths x{scale:g}", output_lengths=out)
+    if limit is not None:
+        n_over = int((out > limit).sum())
+        out = np.minimum(out, limit)
+        trace = trace.with_note(f"clipped {n_over} outputs to {limit} tokens", output_lengths=out)
+    return trace
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
