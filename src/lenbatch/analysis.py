@@ -261,6 +261,8 @@ def plot_histogram(trace: Trace, path: str | Path, *, log_x: bool = False, bins:
     stats = length_stats(lengths)
     lo, hi = max(1, stats.min), max(stats.max, stats.min + 1)
     edges = np.geomspace(lo, hi + 1, bins + 1) if log_x else np.linspace(lo, hi + 1, bins + 1)
+    # Lengths are integers: edges on half-integers, so no bin is empty for want of an integer.
+    edges = np.unique(np.floor(edges)) - 0.5
     fig = Figure(figsize=(9, 4.5), layout="constrained")
     ax = fig.subplots()
     ax.hist(lengths, bins=edges.tolist(), color="#4c72b0", alpha=0.85)

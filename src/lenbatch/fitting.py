@@ -1,32 +1,14 @@
 """Bucket boundaries fitted to a length sample: equal-mass quantiles, exact 1-D k-means, or the
 partition that minimises the expected cost of serving the sample.
 
-One model scores every method, so their results compare on one scale:
-
-- Requests arrive at `rate` per second (Poisson) with lengths drawn from the sample.
-- A lane (a bucket, or the overlong lane above the last boundary) that receives a share `s` of
-  the traffic opens a batch with one request and collects the arrivals of `max_wait`, up to
-  `max_batch`: its batch size is `N = min(max_batch, 1 + Poisson(s * rate * max_wait))`, about
-  `min(max_batch, 1 + s * rate * max_wait)` requests. Without a rate every batch is full
-  (`N = max_batch`, the heavy-traffic limit). The model ignores queueing behind a busy runner,
-  which only makes real batches larger.
-- A batch is padded to its longest member, so it costs `N * E[max of N draws]` padded tokens,
-  with the expectation taken exactly over the lane's empirical length distribution (not the
-  lane's upper bound).
-- Each batch also costs a fixed overhead of `h` token-equivalents (a cost model's `const`
-  divided by its `per_token`), paid once per batch, so `h / E[N]` per request.
-
-The objective is the expected cost per request, `sum_i s_i * (E[N_i M_i] / E[N_i] + h / E[N_i])`
-in token-equivalents; the expected padding waste is `1 - E[length] / E[padded tokens per
-request]`, token-weighted. More lanes cut padding but split the traffic, so each lane's batches
-get smaller and pay the overhead more often: this is what makes too many buckets lose.
-
-Pure numpy. The DPs run over the sorted unique lengths with their counts.
+One model (`lenbatch.padmodel`: expected padded tokens plus a per-batch overhead per request,
+with each lane's batch size following its share of the arrival rate) scores every method, so
+their results compare on one scale, and `auto` picks the number of buckets on it. The DPs run
+over the sorted distinct lengths with their counts. Pure numpy.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +19,16 @@ import numpy as np
 import numpy.typing as npt
 
 from lenbatch.costmodel import CostModel
+from lenbatch.padmodel import (
+    BatchModel,
+    LaneFit,
+    expected_padding_waste,
+    lane_cost,
+    length_support,
+    poisson_cutoff,
+    score_boundaries,
+    score_partition,
+)
 
 __all__ = [
     "AUTO_MAX_BUCKETS",
@@ -71,6 +63,7 @@ class FitMethod(StrEnum):
     QUANTILE = "quantile"  # equal-mass quantiles of the length sample
     KMEANS = "kmeans"  # exact 1-D k-means (minimal within-bucket squared error), by DP
     OPTIMAL = "optimal"  # minimal expected padded tokens + batch overhead per request, by DP
+    # (at most K buckets: fewer where another one would only cost more)
 
     @classmethod
     def parse(cls, name: str | FitMethod) -> FitMethod:
@@ -83,19 +76,6 @@ class FitMethod(StrEnum):
 
 
 @dataclass(frozen=True)
-class LaneFit:
-    """One lane of a fitted partition, as the model sees it."""
-
-    lower: int  # shortest length the lane takes
-    upper: int  # longest length the lane takes (the model limit for the overlong lane)
-    share: float  # fraction of the sample's requests
-    mean_batch: float  # E[N]
-    padded_per_request: float  # E[N * max] / E[N]: padded tokens per request
-    padding_waste: float  # 1 - mean length / padded_per_request (0 for an empty lane)
-    overlong: bool = False
-
-
-@dataclass(frozen=True)
 class FitResult:
     """Fitted boundaries and what the model predicts for them."""
 
@@ -103,235 +83,13 @@ class FitResult:
     # Ascending upper bounds; the last one < max_length leaves an overlong lane above it,
     # == max_length means none.
     boundaries: tuple[int, ...]
-    expected_padding_waste: float  # token-weighted, under the model in the module docstring
+    expected_padding_waste: float  # token-weighted, under the model in `lenbatch.padmodel`
     shares: tuple[float, ...]  # fraction of traffic per lane (buckets + overlong)
     reasoning: tuple[str, ...]  # human-readable lines (esp. for auto K)
     objective: float = math.nan  # expected cost per request, token-equivalents
     lanes: tuple[LaneFit, ...] = ()
     max_length: int = 0
     excluded: int = 0  # sample lengths over max_length, left out (a server rejects them)
-
-
-@dataclass(frozen=True)
-class _Model:
-    """The batching model's parameters (see the module docstring)."""
-
-    rate: float | None
-    max_wait_s: float
-    max_batch: int
-    overlong_max_batch: int
-    overlong_max_wait_s: float
-    overhead: float  # token-equivalents per batch
-
-    def params(self, overlong: bool) -> tuple[int, float]:
-        if overlong:
-            return self.overlong_max_batch, self.overlong_max_wait_s
-        return self.max_batch, self.max_wait_s
-
-
-# ---------------------------------------------------------------------------- the model
-
-
-def _support(lengths: npt.ArrayLike, max_length: int) -> tuple[IntArray, FloatArray, int]:
-    """Sorted unique lengths within the limit, their counts, and how many were over it."""
-    arr = np.asarray(lengths, dtype=np.int64).ravel()
-    if arr.size == 0:
-        raise ValueError("cannot fit boundaries to an empty length sample")
-    if max_length < 1:
-        raise ValueError(f"max_length must be at least 1, got {max_length}")
-    if (arr < 1).any():
-        raise ValueError(f"lengths must be at least 1 token, got {int(arr.min())}")
-    within = arr[arr <= max_length]
-    if within.size == 0:
-        raise ValueError(f"every length in the sample is over max_length={max_length}")
-    values, counts = np.unique(within, return_counts=True)
-    return values.astype(np.int64), counts.astype(np.float64), int(arr.size - within.size)
-
-
-def _batch_pmf(mu: FloatArray, cap: int) -> FloatArray:
-    """P(N = n) for n = 1..cap, one row per entry of `mu`: N = min(cap, 1 + Poisson(mu))."""
-    n = np.arange(1, cap, dtype=np.float64)
-    if len(mu) and float(mu.max()) > 700:
-        # exp(-mu) would underflow while mu^n/n! is huge: work in logs for these rows.
-        lgam = np.array([math.lgamma(k) for k in n])
-        logp = -mu[:, None] + (n[None, :] - 1) * np.log(np.maximum(mu, 1e-300))[:, None]
-        head = np.exp(logp - lgam[None, :])
-    else:
-        # p(1) = e^-mu, p(n+1) = p(n) * mu / n: one exp per row instead of one per entry.
-        steps = np.empty((len(mu), max(cap - 1, 0)))
-        if cap > 1:
-            steps[:, 0] = np.exp(-mu)
-            steps[:, 1:] = mu[:, None] / n[None, :-1]
-        head = np.cumprod(steps, axis=1)
-    tail = np.maximum(0.0, 1.0 - head.sum(axis=1))  # the cap absorbs the rest
-    return np.concatenate((head, tail[:, None]), axis=1)
-
-
-def _lane_cost(
-    emax: FloatArray,
-    ns: Sequence[int],
-    share: FloatArray,
-    cap: int,
-    wait: float,
-    model: _Model,
-) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """(E[N], padded tokens per request, cost per request) of lanes with traffic `share`.
-
-    `emax[:, i]` is E[max of ns[i] draws] for each lane. Without a rate every batch has `cap`
-    requests, so only that column is read; with one, `ns` must start with 1..cap.
-    """
-    if model.rate is None:
-        mean_n = np.full(len(share), float(cap))
-        padded = emax[:, list(ns).index(cap)]
-    else:
-        pmf = _batch_pmf(share * model.rate * wait, cap)
-        n = np.arange(1, cap + 1, dtype=np.float64)
-        mean_n = pmf @ n
-        padded = (pmf * n[None, :] * emax[:, :cap]).sum(axis=1) / mean_n
-    return mean_n, padded, padded + model.overhead / mean_n
-
-
-def _poisson_cutoff(mu: float, eps: float = 1e-12) -> int:
-    """Smallest t with P(Poisson(mu) >= t) < eps: batch sizes beyond 1 + t need no tracking."""
-    t, p, cdf = 0, math.exp(-mu) if mu < 700 else 0.0, 0.0
-    if p == 0.0:
-        return 10**9  # huge mu: batches are always full, keep every column
-    while 1.0 - cdf >= eps and t < 10**6:
-        cdf += p
-        t += 1
-        p *= mu / t
-    return t
-
-
-def _expected_max(values: IntArray, counts: FloatArray, cap: int) -> FloatArray:
-    """E[max of n draws] for n = 1..cap from the distribution (values, counts), directly:
-    `E[max] = v_last - sum_j (v_{j+1} - v_j) * F(v_j)^n`."""
-    cdf = np.cumsum(counts)[:-1] / counts.sum()
-    gaps = np.diff(values).astype(np.float64)
-    n = np.arange(1, cap + 1, dtype=np.float64)
-    out: FloatArray = float(values[-1]) - (gaps[:, None] * cdf[:, None] ** n[None, :]).sum(axis=0)
-    return out
-
-
-def _lanes_of(values: IntArray, boundaries: Sequence[int]) -> IntArray:
-    """Lane index of each value: bucket i holds (b[i-1], b[i]], the overlong lane the rest."""
-    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), values, side="left")
-
-
-def _score(
-    values: IntArray,
-    counts: FloatArray,
-    boundaries: Sequence[int],
-    max_length: int,
-    model: _Model,
-) -> tuple[float, float, tuple[LaneFit, ...]]:
-    """(objective, padding waste, lanes) of `boundaries`, evaluated directly."""
-    total = counts.sum()
-    lane_of = _lanes_of(values, boundaries)
-    lanes: list[LaneFit] = []
-    objective = padded_total = 0.0
-    for i in range(len(boundaries) + 1):
-        overlong = i == len(boundaries)
-        lower = 1 if i == 0 else boundaries[i - 1] + 1
-        upper = max_length if overlong else boundaries[i]
-        sel = lane_of == i
-        if not sel.any():
-            lanes.append(LaneFit(lower, upper, 0.0, 0.0, 0.0, 0.0, overlong))
-            continue
-        v, c = values[sel], counts[sel]
-        share = float(c.sum() / total)
-        cap, wait = model.params(overlong)
-        emax = _expected_max(v, c, cap)[None, :]
-        mean_n, padded, cost = _lane_cost(
-            emax, range(1, cap + 1), np.array([share]), cap, wait, model
-        )
-        mean_len = float((v * c).sum() / c.sum())
-        objective += share * float(cost[0])
-        padded_total += share * float(padded[0])
-        waste = max(0.0, 1.0 - mean_len / float(padded[0]))  # 0 up to rounding
-        lanes.append(
-            LaneFit(lower, upper, share, float(mean_n[0]), float(padded[0]), waste, overlong)
-        )
-    mean_length = float((values * counts).sum() / total)
-    return objective, max(0.0, 1.0 - mean_length / padded_total), tuple(lanes)
-
-
-def _check_boundaries(boundaries: Sequence[int], max_length: int) -> tuple[int, ...]:
-    b = tuple(int(x) for x in boundaries)
-    if not b:
-        raise ValueError("boundaries must not be empty")
-    if b[0] < 1 or any(x >= y for x, y in itertools.pairwise(b)):
-        raise ValueError(f"boundaries must be positive and strictly increasing, got {list(b)}")
-    if b[-1] > max_length:
-        raise ValueError(f"last boundary {b[-1]} exceeds max_length {max_length}")
-    return b
-
-
-def _make_model(
-    rate: float | None,
-    max_wait_s: float,
-    max_batch: int,
-    overlong_max_batch: int,
-    overlong_max_wait_s: float,
-    overhead: float,
-) -> _Model:
-    if rate is not None and rate <= 0:
-        raise ValueError(f"rate must be positive (requests per second), got {rate}")
-    if max_wait_s < 0 or overlong_max_wait_s < 0:
-        raise ValueError("max waits must not be negative")
-    if max_batch < 1 or overlong_max_batch < 1:
-        raise ValueError(f"max batch sizes must be at least 1, got {max_batch}")
-    if overhead < 0:
-        raise ValueError(f"batch overhead must not be negative, got {overhead}")
-    return _Model(rate, max_wait_s, max_batch, overlong_max_batch, overlong_max_wait_s, overhead)
-
-
-def score_boundaries(
-    lengths: npt.ArrayLike,
-    boundaries: Sequence[int],
-    max_length: int,
-    *,
-    rate: float | None = None,
-    max_wait_s: float = 0.01,
-    max_batch: int = 32,
-    overlong_max_batch: int = 8,
-    overlong_max_wait_s: float = 0.05,
-    batch_overhead_tokens: float = 0.0,
-) -> tuple[float, float, tuple[LaneFit, ...]]:
-    """(objective, expected padding waste, per-lane figures) of given boundaries under the
-    model in the module docstring. Lengths over `max_length` are left out."""
-    values, counts, _ = _support(lengths, max_length)
-    b = _check_boundaries(boundaries, max_length)
-    model = _make_model(
-        rate, max_wait_s, max_batch, overlong_max_batch, overlong_max_wait_s, batch_overhead_tokens
-    )
-    return _score(values, counts, b, max_length, model)
-
-
-def expected_padding_waste(
-    lengths: npt.ArrayLike,
-    boundaries: Sequence[int],
-    max_length: int,
-    *,
-    rate: float | None = None,
-    max_wait_s: float = 0.01,
-    max_batch: int = 32,
-    overlong_max_batch: int = 8,
-    overlong_max_wait_s: float = 0.05,
-) -> float:
-    """Token-weighted padding waste, `1 - real / padded tokens`, that `boundaries` are expected
-    to leave on traffic like `lengths` (model in the module docstring; `rate=None`: full
-    batches)."""
-    return score_boundaries(
-        lengths,
-        boundaries,
-        max_length,
-        rate=rate,
-        max_wait_s=max_wait_s,
-        max_batch=max_batch,
-        overlong_max_batch=overlong_max_batch,
-        overlong_max_wait_s=overlong_max_wait_s,
-    )[1]
 
 
 # ---------------------------------------------------------------------------- the methods
@@ -401,7 +159,7 @@ def _backtrack(values: IntArray, back: npt.NDArray[np.intp], k: int, end: int) -
 
 
 def _optimal_dp(
-    values: IntArray, counts: FloatArray, kmax: int, model: _Model, max_overlong_share: float
+    values: IntArray, counts: FloatArray, kmax: int, model: BatchModel, max_overlong_share: float
 ) -> list[tuple[float, tuple[int, ...]]]:
     """For k = 1..kmax buckets: (minimal objective, boundaries), the overlong lane included in
     the search: empty, or holding the longest lengths up to `max_overlong_share` of traffic.
@@ -423,7 +181,7 @@ def _optimal_dp(
         ns = sorted({cap_b, cap_o})  # full batches: only these sizes occur
     else:
         # Batch sizes past the Poisson tail cutoff have no weight worth tracking (< 1e-12).
-        cut = _poisson_cutoff(model.rate * max(wait_b, wait_o))
+        cut = poisson_cutoff(model.rate * max(wait_b, wait_o))
         cap_b, cap_o = min(cap_b, max(cut, 1)), min(cap_o, max(cut, 1))
         ns = list(range(1, max(cap_b, cap_o) + 1))
     n = np.asarray(ns, dtype=np.float64)
@@ -443,13 +201,13 @@ def _optimal_dp(
             rem[:b] *= powers
         share = (cum[b + 1] - cum[: b + 1]) / total
         emax = float(values[b]) - rem[: b + 1]
-        cost: FloatArray = share * _lane_cost(emax, ns, share, cap_b, wait_b, model)[2]
+        cost: FloatArray = share * lane_cost(emax, ns, share, cap_b, wait_b, model)[2]
         return cost
 
     f, back = _partition_dp(u, kmax, column)
     # After the pass, rem holds R_n(a, u-1): the overlong lane starting at a.
     share = (total - cum[:u]) / total
-    over = share * _lane_cost(float(values[-1]) - rem, ns, share, cap_o, wait_o, model)[2]
+    over = share * lane_cost(float(values[-1]) - rem, ns, share, cap_o, wait_o, model)[2]
     out = []
     for k in range(1, min(kmax, u) + 1):
         best, bounds = float(f[k, u - 1]), _backtrack(values, back, k, u - 1)
@@ -495,7 +253,7 @@ def _candidates(
     values: IntArray,
     counts: FloatArray,
     kmax: int,
-    model: _Model,
+    model: BatchModel,
     max_overlong_share: float,
 ) -> list[tuple[int, ...]]:
     """The method's boundaries for k = 1..kmax buckets."""
@@ -503,7 +261,17 @@ def _candidates(
         return [_quantile_bounds(lengths, values, k) for k in range(1, kmax + 1)]
     if method is FitMethod.KMEANS:
         return _kmeans_dp(values, counts, kmax)
-    return [b for _, b in _optimal_dp(values, counts, kmax, model, max_overlong_share)]
+    # At most k buckets: where one more only costs (its queue would starve), keep fewer
+    # rather than spend the extra boundaries on slivers of traffic.
+    out: list[tuple[int, ...]] = []
+    best = math.inf
+    for obj, bounds in _optimal_dp(values, counts, kmax, model, max_overlong_share):
+        if obj < best * (1 - 1e-12):
+            best = obj
+            out.append(bounds)
+        else:
+            out.append(out[-1])
+    return out
 
 
 def _pick_k(objectives: Sequence[float], threshold: float) -> tuple[int, str]:
@@ -554,7 +322,7 @@ def fit_boundaries(
     max_auto_buckets: int = AUTO_MAX_BUCKETS,
     max_overlong_share: float = DEFAULT_MAX_OVERLONG_SHARE,
 ) -> FitResult:
-    """Fit bucket boundaries to a length sample (see the module docstring for the model).
+    """Fit bucket boundaries to a length sample, scored by the model in `lenbatch.padmodel`.
 
     `buckets` is the number of buckets below the overlong lane, or `"auto"`: try 1 to
     `max_auto_buckets` and keep the K after which one more bucket cuts the expected cost per
@@ -565,13 +333,13 @@ def fit_boundaries(
     `quantile` and `kmeans` cover every observed length with the buckets (the overlong lane
     then only catches lengths the sample never showed); `optimal` may also hand the longest
     lengths, up to `max_overlong_share` of the traffic, to the overlong lane when that costs
-    less.
+    less, and uses at most `buckets` buckets: fewer where another would only cost more.
     """
     fit_method = FitMethod.parse(method)
     arr = np.asarray(lengths, dtype=np.int64).ravel()
-    values, counts, excluded = _support(arr, max_length)
+    values, counts, excluded = length_support(arr, max_length)
     overhead, overhead_line = _overhead(batch_overhead_tokens, cost)
-    model = _make_model(
+    model = BatchModel(
         rate, max_wait_s, max_batch, overlong_max_batch, overlong_max_wait_s, overhead
     )
     auto = buckets == "auto"
@@ -607,7 +375,7 @@ def fit_boundaries(
         kmax = u
     in_limit = arr[arr <= max_length]
     cands = _candidates(fit_method, in_limit, values, counts, kmax, model, max_overlong_share)
-    scored = [_score(values, counts, b, max_length, model) for b in cands]
+    scored = [score_partition(values, counts, b, max_length, model) for b in cands]
     if auto:
         reasoning.append(
             f"{fit_method.value} for K = 1..{kmax} (cost = token-equivalents/request):"
@@ -623,10 +391,15 @@ def fit_boundaries(
         k = kmax
     bounds = cands[k - 1]
     objective, waste, lanes = scored[k - 1]
-    if len(bounds) < k:
+    if len(bounds) < k and fit_method is FitMethod.QUANTILE:
         reasoning.append(
             f"{len(bounds)} distinct boundaries instead of {k}: equal-mass cuts coincided "
             "on heavily repeated lengths"
+        )
+    elif len(bounds) < k:
+        reasoning.append(
+            f"{len(bounds)} buckets instead of {k}: more would cost more here (smaller "
+            "batches pay the per-batch overhead more often than padding saves)"
         )
     reasoning.append(
         f"{fit_method.value}: boundaries {list(bounds)}, expected padding waste "

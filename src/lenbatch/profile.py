@@ -52,6 +52,8 @@ __all__ = [
     "fit_cost_model",
     "format_table",
     "nnls",
+    "probe_for",
+    "profile_and_fit",
     "profile_runner",
 ]
 
@@ -311,6 +313,44 @@ def fit_cost_model(
         memory_fit_error=mem_error,
         memory_method=memory_method,
         points=rows,
+    )
+
+
+def probe_for(runner: EmbeddingRunner) -> MemoryProbe:
+    """The memory probe for a runner's device: CUDA allocator on a GPU, sampled RSS on CPU."""
+    device: Any = getattr(runner, "device", None)
+    if getattr(device, "type", "") == "cuda":
+        return CudaMemoryProbe(device)
+    return RssMemoryProbe()
+
+
+def profile_and_fit(
+    runner: EmbeddingRunner,
+    batch_sizes: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    device: str = "cpu",
+    progress: Callable[[ProfilePoint], None] | None = None,
+) -> CostModel:
+    """Profile a real runner with the probe for its device and fit its cost model."""
+    probe = probe_for(runner)
+    points = profile_runner(
+        runner,
+        batch_sizes,
+        lengths,
+        repeats=repeats,
+        warmup=warmup,
+        probe=probe,
+        progress=progress,
+    )
+    return fit_cost_model(
+        points,
+        weights_bytes=runner.memory().weights,
+        model=runner.info.name,
+        device=device,
+        memory_method=probe.method,
     )
 
 

@@ -73,8 +73,9 @@ def test_kmeans_is_exact(seed: int) -> None:
 
 @pytest.mark.parametrize(("seed", "rate"), [(0, None), (1, 200.0), (2, 3000.0), (3, 40.0)])
 def test_optimal_is_exact(seed: int, rate: float | None) -> None:
-    """The optimal DP's partition scores the minimum over every partition with K buckets
-    (overlong lane empty or within its share), scored independently by score_boundaries."""
+    """The optimal DP's partition scores the minimum over every partition with at most K
+    buckets (overlong lane empty or within its share), scored independently by
+    score_boundaries."""
     rng = np.random.default_rng(seed)
     support = np.array([2, 5, 9, 14, 20, 27, 33, 41, 50, 62, 75, 150, 170, 199])
     weights = np.array([8, 6, 9, 7, 5, 6, 4, 5, 3, 4, 2, 1, 1, 1], dtype=float)
@@ -87,7 +88,10 @@ def test_optimal_is_exact(seed: int, rate: float | None) -> None:
             lengths, "optimal", k, 256, batch_overhead_tokens=50, max_overlong_share=share_cap, **kw
         )
         best = math.inf
-        for bounds in itertools.combinations(vals, k):
+        every = itertools.chain.from_iterable(
+            itertools.combinations(vals, j) for j in range(1, k + 1)
+        )
+        for bounds in every:
             if (lengths > bounds[-1]).mean() > share_cap + 1e-12:
                 continue
             obj = score_boundaries(lengths, bounds, 256, batch_overhead_tokens=50, **kw)[0]
@@ -125,13 +129,17 @@ def test_waste_is_token_weighted() -> None:
 
 def test_too_many_buckets_lose_at_low_rate() -> None:
     """With little traffic and a batch overhead, splitting starves the queues: auto keeps few
-    buckets, and 12 buckets cost more than the chosen K."""
+    buckets, 12 k-means buckets cost more, and optimal asked for 12 uses fewer and says why."""
     lengths = _modes(np.random.default_rng(2))
-    r = fit_boundaries(lengths, "optimal", "auto", 256, rate=300, batch_overhead_tokens=128)
-    many = fit_boundaries(lengths, "optimal", 12, 256, rate=300, batch_overhead_tokens=128)
+    kw = {"rate": 300.0, "batch_overhead_tokens": 128.0}
+    r = fit_boundaries(lengths, "optimal", "auto", 256, **kw)
     assert 1 <= len(r.boundaries) <= 4
-    assert many.objective > r.objective
     assert any(line.startswith("chose K=") for line in r.reasoning)
+    fine = fit_boundaries(lengths, "kmeans", 12, 256, **kw)
+    assert len(fine.boundaries) == 12 and fine.objective > r.objective
+    capped = fit_boundaries(lengths, "optimal", 12, 256, **kw)
+    assert len(capped.boundaries) < 12 and capped.objective <= r.objective
+    assert any("more would cost more" in line for line in capped.reasoning)
 
 
 def test_auto_keeps_more_buckets_when_batches_are_full() -> None:

@@ -61,7 +61,7 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
         "--overflow",
         choices=["clip", "drop", "keep"],
         default="clip",
-        help="inputs over --max-length: clip to N (they land in the overlong lane), "
+        help="inputs over --max-length: clip to N (they land in the top lane), "
         "drop them, or keep them (to test rejection) (default clip)",
     )
     g.add_argument(

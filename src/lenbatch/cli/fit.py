@@ -103,24 +103,28 @@ def register(sub: Any) -> None:
         "--max-wait-ms",
         type=float,
         default=_DEFAULTS.max_wait_ms,
+        metavar="MS",
         help=f"bucket max wait (default {_DEFAULTS.max_wait_ms:g})",
     )
     f.add_argument(
         "--max-batch",
         type=int,
         default=_DEFAULTS.max_batch,
+        metavar="N",
         help=f"bucket max batch (default {_DEFAULTS.max_batch})",
     )
     f.add_argument(
         "--overlong-max-wait-ms",
         type=float,
         default=_DEFAULTS.overlong_max_wait_ms,
+        metavar="MS",
         help=f"overlong lane max wait (default {_DEFAULTS.overlong_max_wait_ms:g})",
     )
     f.add_argument(
         "--overlong-max-batch",
         type=int,
         default=_DEFAULTS.overlong_max_batch,
+        metavar="N",
         help=f"overlong lane max batch (default {_DEFAULTS.overlong_max_batch})",
     )
     f.add_argument(

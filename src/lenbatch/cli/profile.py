@@ -68,47 +68,28 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, profile it, fit, print the table and write the cost model."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from lenbatch.profile import (
-        CudaMemoryProbe,
-        MemoryProbe,
-        RssMemoryProbe,
-        bucket_max_batches,
-        fit_cost_model,
-        format_table,
-        profile_runner,
-    )
+    from lenbatch.profile import bucket_max_batches, format_table, profile_and_fit
     from lenbatch.runners import load_runner
 
     runner = load_runner(args.model, device=args.device, torch_threads=args.torch_threads)
     limit = runner.info.max_length
     lengths = args.lengths or [n for n in _int_list(DEFAULT_LENGTHS) if n <= limit]
-    device: Any = getattr(runner, "device", None)
-    probe: MemoryProbe = (
-        CudaMemoryProbe(device) if getattr(device, "type", "") == "cuda" else RssMemoryProbe()
-    )
     print(
         f"profiling {runner.info.name} on {args.device}: batch sizes {args.batch_sizes} x "
         f"lengths {lengths}, {args.warmup} warm-up + {args.repeats} timed runs per point",
         file=sys.stderr,
     )
-    points = profile_runner(
+    cost = profile_and_fit(
         runner,
         args.batch_sizes,
         lengths,
         repeats=args.repeats,
         warmup=args.warmup,
-        probe=probe,
+        device=args.device,
         progress=lambda p: print(
             f"  B={p.batch:<4} L={p.padded_len:<5} {1e3 * p.latency_s:9.2f} ms",
             file=sys.stderr,
         ),
-    )
-    cost = fit_cost_model(
-        points,
-        weights_bytes=runner.memory().weights,
-        model=runner.info.name,
-        device=args.device,
-        memory_method=probe.method,
     )
     cost.save(args.out)
     print(format_table(cost))
