@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -48,6 +48,10 @@ log = logging.getLogger("lenbatch.server")
 
 TIMEOUT_HEADER = "x-request-timeout"
 _FLUSH_S = 5  # after the drain, how long uvicorn may take to write the last responses
+_TIMEOUT_DOC = (
+    "Seconds this call may wait before it runs; if it has not started by then its inputs are "
+    "dropped and the answer is 504. Overrides the server's admission.request_timeout_s."
+)
 
 Input = Annotated[
     StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]],
@@ -279,7 +283,11 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         )
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    async def embeddings(
+        body: EmbeddingRequest,
+        request: Request,
+        x_request_timeout: Annotated[str | None, Header(description=_TIMEOUT_DOC)] = None,
+    ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
         if body.model is not None and body.model not in accepted_names:
             return _error(
@@ -293,7 +301,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
                 f"dimensions={body.dimensions} is not supported: this model's "
                 f"vectors have {engine.info.dim} dimensions"
             )
-        timeout = _timeout_header(request)
+        timeout = _timeout_header(x_request_timeout)
         ids = _token_ids(body.input, engine, body.truncate, settings.server.max_inputs_per_request)
         work = asyncio.ensure_future(engine.embed(ids, truncate=body.truncate, timeout=timeout))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -333,8 +341,7 @@ def _encode(vec: np.ndarray[Any, Any], fmt: str) -> Any:
     return vec.tolist()
 
 
-def _timeout_header(request: Request) -> float | None:
-    raw = request.headers.get(TIMEOUT_HEADER)
+def _timeout_header(raw: str | None) -> float | None:
     if raw is None:
         return None
     try:
