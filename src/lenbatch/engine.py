@@ -3,10 +3,10 @@
     submit ─► admission ─► queues ─► schedule() ─► collate ─► runner (worker thread) ─► futures
 
 Every admitted input is a `Request` with one future; it is answered exactly once, with its
-vector or an explicit error. The loop sleeps until new work arrives, a batch finishes, or the
-scheduler's `wake_at`. Batches beyond the runner's concurrency are collated ahead of time
-(prefetch) and wait for a runner slot; cancelled or expired members are dropped before they
-cost compute.
+vector or an explicit error, through the `Ledger`. The loop sleeps until new work arrives, a
+batch finishes, or the scheduler's `wake_at`. Batches beyond the runner's concurrency are
+collated ahead of time (prefetch) and wait for a runner slot; cancelled or expired members are
+dropped before they cost compute.
 
 When the model fails:
 
@@ -28,10 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -59,11 +57,12 @@ from lenbatch.errors import (
     Unavailable,
     is_out_of_memory,
 )
+from lenbatch.ledger import Ledger, Ticket
 from lenbatch.lengthlog import LengthLog
 from lenbatch.metrics import Metrics
 from lenbatch.queues import Queues
 from lenbatch.recovery import BatchCaps
-from lenbatch.request import Request, RequestStatus
+from lenbatch.request import Request
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.scheduler import Batch, schedule
 
@@ -86,19 +85,6 @@ class EngineState(StrEnum):
     STOPPED = "stopped"
 
 
-@dataclass(slots=True)
-class _Ticket:
-    """The engine's handle on one request: its future and its deadline timer."""
-
-    future: asyncio.Future[Vector]
-    timer: asyncio.TimerHandle | None = None
-    started: float | None = None  # clock time its batch started executing
-    exec_s: float | None = None
-    # Answered (result, error or cancelled) and accounted for. Not `future.done()`: a caller
-    # that goes away cancels the future itself (through gather) before the engine knows.
-    finished: bool = False
-
-
 class Engine:
     """Length-aware dynamic batching in front of an `EmbeddingRunner`."""
 
@@ -119,7 +105,6 @@ class Engine:
         self.recovery = recovery or RecoveryConfig()
         self.clock: Clock = clock or MonotonicClock()
         self.default_truncate = default_truncate
-        self.length_log = length_log
         self.uses_default_boundaries = (
             self.batching.strategy is Strategy.BUCKETED and self.batching.boundaries is None
         )
@@ -134,6 +119,7 @@ class Engine:
         self.queues = Queues(base)
         self.metrics = Metrics(labels, base.strategy.value)
         self.metrics.set_batch_caps(self.caps.caps())
+        self.ledger = Ledger(self.clock, self.metrics, labels, length_log)
         self.admission = Admission(admission or AdmissionConfig(), base, self.clock.now())
         self.request_timeout = (admission or AdmissionConfig()).request_timeout_s
         self.state = EngineState.NEW
@@ -142,11 +128,9 @@ class Engine:
             max_workers=self.batching.max_concurrent_batches, thread_name_prefix="lenbatch-runner"
         )
         self._wakeup: asyncio.Event | None = None
-        self._idle: asyncio.Event | None = None  # set while no admitted request is unanswered
         self._slots: asyncio.Semaphore | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
-        self._live: set[Request] = set()  # admitted, not yet answered
         self._failures_in_row = 0  # failed model calls (not out-of-memory) since a success
 
     # ------------------------------------------------------------------ lifecycle
@@ -156,8 +140,6 @@ class Engine:
         if self.state is not EngineState.NEW:
             raise RuntimeError(f"engine already {self.state.value}")
         self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._slots = asyncio.Semaphore(self.batching.max_concurrent_batches)
         self.state = EngineState.RUNNING
         self.metrics.set_ready(True)
@@ -172,20 +154,14 @@ class Engine:
             return
         self.state = EngineState.DRAINING
         self.metrics.set_ready(False)
-        log.info("draining: %d admitted requests unanswered", len(self._live))
+        log.info("draining: %d admitted requests unanswered", self.ledger.unanswered)
         self._apply_caps()
         self._kick()
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every admitted request has been answered; False if `timeout` seconds
         passed first."""
-        if not self._live or self._idle is None:
-            return not self._live
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self.ledger.wait_idle(timeout)
 
     async def drain(self, timeout: float | None = 30.0) -> None:
         """Refuse new requests and wait up to `timeout` seconds for every admitted one to be
@@ -194,14 +170,14 @@ class Engine:
         if await self.wait_idle(timeout):
             return
         self.queues.drain()
-        left = list(self._live)
+        left = self.ledger.live()
         log.warning("drain timeout of %s s passed: answering %d with 503", timeout, len(left))
         err = Unavailable(
             f"the server shut down before this request finished (drain timeout {timeout} s)",
             code="shutdown",
         )
         for r in left:
-            self._fail(r, err)
+            self.ledger.fail(r, err)
 
     async def stop(self, timeout: float | None = 30.0) -> None:
         """`drain(timeout)`, then stop the loop and the runner thread. Nothing admitted is
@@ -220,8 +196,7 @@ class Engine:
         self.state = EngineState.STOPPED
         self.metrics.set_ready(False)
         self._executor.shutdown(wait=False)
-        if self.length_log is not None:
-            self.length_log.close()
+        self.ledger.close()
 
     @property
     def ready(self) -> bool:
@@ -231,7 +206,7 @@ class Engine:
     @property
     def unanswered(self) -> int:
         """Admitted requests not answered yet (queued, prepared or running)."""
-        return len(self._live)
+        return self.ledger.unanswered
 
     def _refusal(self) -> Unavailable:
         if self.state is EngineState.DRAINING:
@@ -272,7 +247,7 @@ class Engine:
             raise self._refusal()
         if not inputs:
             raise BadInput("no inputs given")
-        assert self._wakeup is not None and self._idle is not None
+        assert self._wakeup is not None
         truncate = self.default_truncate if truncate is None else truncate
         limit = self.info.max_length
         seqs: list[list[int]] = []
@@ -298,14 +273,13 @@ class Engine:
         loop = asyncio.get_running_loop()
         requests = []
         for ids in seqs:
-            ticket = _Ticket(loop.create_future())
+            ticket = Ticket(loop.create_future())
             r = Request(len(ids), now, ids, deadline=deadline, priority=priority, handle=ticket)
             if timeout is not None:
                 ticket.timer = loop.call_later(timeout, self._on_deadline, r)
             self.queues.push(r)
             requests.append(r)
-        self._live.update(requests)
-        self._idle.clear()
+        self.ledger.admit(requests)
         self._kick()
         try:
             return list(await asyncio.gather(*(r.handle.future for r in requests)))
@@ -345,7 +319,7 @@ class Engine:
                 self._apply_caps()
             decision = schedule(self.queues, now, self.cfg)
             for r in decision.expired:
-                self._fail(r, self._expired_error(r))
+                self.ledger.fail(r, self._expired_error(r))
             for batch in decision.batches:
                 task = asyncio.create_task(self._run_batch(batch))
                 self._batch_tasks.add(task)
@@ -368,7 +342,7 @@ class Engine:
             async with self._slots:
                 if self.state is EngineState.FAILED:
                     for r in batch.requests:
-                        self._fail(r, self._refusal())
+                        self.ledger.fail(r, self._refusal())
                     return
                 now = self.clock.now()
                 live = []
@@ -376,7 +350,7 @@ class Engine:
                     if r.handle.finished:
                         continue  # cancelled or expired while waiting: costs nothing
                     if r.deadline is not None and r.deadline <= now:
-                        self._fail(r, self._expired_error(r))
+                        self.ledger.fail(r, self._expired_error(r))
                         continue
                     live.append(r)
                 if not live:
@@ -387,7 +361,7 @@ class Engine:
         except Exception:  # a bug above the runner: never leave a request hanging
             log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
             for r in batch.requests:
-                self._fail(r, ModelFailed("internal error while running this batch"))
+                self.ledger.fail(r, ModelFailed("internal error while running this batch"))
         finally:
             self.queues.batch_done(batch.lane)
             self._kick()
@@ -438,7 +412,7 @@ class Engine:
         )
         for r, vec in zip(live, out, strict=True):
             r.handle.exec_s = exec_s
-            self._answer(r, vec)
+            self.ledger.answer(r, vec)
 
     # ------------------------------------------------------------------ when the model fails
 
@@ -458,7 +432,7 @@ class Engine:
         if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
             self._crash(lane, f"the runner raised {kind}")
             for r in live:
-                self._fail(r, self._refusal())
+                self.ledger.fail(r, self._refusal())
             return
         width = int(batch.input_ids.shape[1])
         if is_out_of_memory(exc):
@@ -472,7 +446,7 @@ class Engine:
                     f"out of memory running this input alone ({r.length} tokens, padded to "
                     f"{width}); retry later or send a shorter input"
                 )
-                self._fail(r, OutOfMemory(msg, retry_after=max(1.0, self.caps.cooldown_s)))
+                self.ledger.fail(r, OutOfMemory(msg, retry_after=max(1.0, self.caps.cooldown_s)))
                 return
             log.warning(
                 "out of memory on a batch of %d x %d tokens (%s): splitting; bucket %s capped "
@@ -495,14 +469,14 @@ class Engine:
                         "known-good probe input failed too",
                     )
                     for r in live:
-                        self._fail(r, self._refusal())
+                        self.ledger.fail(r, self._refusal())
                     return
                 self._failures_in_row = 0
             if len(live) == 1:
                 r = live[0]
                 log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
                 msg = f"the model failed on this input ({kind}); other inputs are unaffected"
-                self._fail(r, ModelFailed(msg))
+                self.ledger.fail(r, ModelFailed(msg))
                 return
             log.warning("batch of %d failed (%s); bisecting", len(live), kind)
         mid = len(live) // 2
@@ -512,7 +486,7 @@ class Engine:
                 continue
             if self.state is EngineState.FAILED:
                 for r in half:
-                    self._fail(r, self._refusal())
+                    self.ledger.fail(r, self._refusal())
                 continue
             await self._execute(lane, half, self._collate(half, pad_to), pad_to)
 
@@ -549,75 +523,23 @@ class Engine:
         log.error("runner crashed: %s; answering %d queued requests with 503", reason, len(waiting))
         err = self._refusal()
         for r in waiting:
-            self._fail(r, err)
+            self.ledger.fail(r, err)
         self._kick()
 
     # ------------------------------------------------------------------ answering
 
-    def _answer(self, r: Request, vec: Vector) -> None:
-        t: _Ticket = r.handle
-        if t.finished:
-            return
-        if t.future.cancelled():  # the caller went away while it ran
-            self._finish(r, RequestStatus.CANCELLED)
-            return
-        t.future.set_result(vec)
-        self._finish(r, RequestStatus.OK)
-
-    def _fail(self, r: Request, err: LenbatchError) -> None:
-        t: _Ticket = r.handle
-        if t.finished:
-            return
-        if t.future.cancelled():
-            self._finish(r, RequestStatus.CANCELLED)
-            return
-        t.future.set_exception(err)
-        # Retrieved by gather; if the caller has gone, do not warn about it.
-        t.future.add_done_callback(_consume_exception)
-        status = RequestStatus.EXPIRED if isinstance(err, DeadlineExceeded) else RequestStatus.ERROR
-        self._finish(r, status)
-
     def _cancel(self, r: Request) -> None:
-        t: _Ticket = r.handle
-        if t.finished:
-            return
         self.queues.remove(r)
-        if not t.future.done():
-            t.future.cancel()
-        self._finish(r, RequestStatus.CANCELLED)
-        self._kick()
-
-    def _finish(self, r: Request, status: RequestStatus) -> None:
-        t: _Ticket = r.handle
-        t.finished = True
-        if t.timer is not None:
-            t.timer.cancel()
-            t.timer = None
-        self._live.discard(r)
-        if not self._live and self._idle is not None:
-            self._idle.set()
-        now = self.clock.now()
-        latency = now - r.arrival
-        self.metrics.record_request(r.lane, latency, status.value)
-        if self.length_log is not None:
-            wait = None if t.started is None else (t.started - r.arrival) * 1000
-            self.length_log.write(
-                id=r.id,
-                arrival=time.time() - latency,
-                length=r.length,
-                bucket=self.lane_labels[r.lane] if r.lane >= 0 else "none",
-                queue_wait_ms=wait,
-                exec_ms=None if t.exec_s is None else t.exec_s * 1000,
-                status=status.value,
-            )
+        if self.ledger.cancel(r):
+            self._kick()
 
     def _on_deadline(self, r: Request) -> None:
-        t: _Ticket = r.handle
+        t: Ticket = r.handle
         t.timer = None
         if t.finished or t.started is not None:
             return  # answered, or already running: let it finish
         self.queues.remove(r)
-        self._fail(r, self._expired_error(r))
+        self.ledger.fail(r, self._expired_error(r))
         self._kick()
 
     def _expired_error(self, r: Request) -> DeadlineExceeded:
@@ -632,8 +554,3 @@ class Engine:
 def _failed_with(r: Request, err: BaseException) -> bool:
     fut: asyncio.Future[Vector] = r.handle.future
     return fut.done() and not fut.cancelled() and fut.exception() is err
-
-
-def _consume_exception(fut: asyncio.Future[Vector]) -> None:
-    if not fut.cancelled():
-        fut.exception()

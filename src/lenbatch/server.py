@@ -23,7 +23,6 @@ import base64
 import hmac
 import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -46,15 +45,19 @@ __all__ = ["DrainingServer", "EmbeddingRequest", "create_app", "serve"]
 
 log = logging.getLogger("lenbatch.server")
 
-TIMEOUT_HEADER = "x-request-timeout"
 _FLUSH_S = 5  # after the drain, how long uvicorn may take to write the last responses
 _TIMEOUT_DOC = (
     "Seconds this call may wait before it runs; if it has not started by then its inputs are "
     "dropped and the answer is 504. Overrides the server's admission.request_timeout_s."
 )
 
+_Text = Annotated[StrictStr, Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Input = Annotated[
-    StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]],
+    _Text
+    | Annotated[list[_Text], Field(min_length=1)]
+    | _TokenIds
+    | Annotated[list[_TokenIds], Field(min_length=1)],
     Field(description="Text, list of texts, token ids, or list of token-id lists."),
 ]
 
@@ -69,7 +72,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="`float` lists or `base64` little-endian float32."
     )
-    dimensions: int | None = Field(None, description="Must equal the model's width if given.")
+    dimensions: int | None = Field(None, ge=1, description="Must equal the model's width if given.")
     user: str | None = Field(None, description="Ignored; accepted for compatibility.")
     truncate: bool | None = Field(
         None, description="Cut inputs over the model limit instead of rejecting them."
@@ -286,7 +289,9 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     async def embeddings(
         body: EmbeddingRequest,
         request: Request,
-        x_request_timeout: Annotated[str | None, Header(description=_TIMEOUT_DOC)] = None,
+        x_request_timeout: Annotated[
+            float | None, Header(gt=0, allow_inf_nan=False, description=_TIMEOUT_DOC)
+        ] = None,
     ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
         if body.model is not None and body.model not in accepted_names:
@@ -301,9 +306,10 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
                 f"dimensions={body.dimensions} is not supported: this model's "
                 f"vectors have {engine.info.dim} dimensions"
             )
-        timeout = _timeout_header(x_request_timeout)
         ids = _token_ids(body.input, engine, body.truncate, settings.server.max_inputs_per_request)
-        work = asyncio.ensure_future(engine.embed(ids, truncate=body.truncate, timeout=timeout))
+        work = asyncio.ensure_future(
+            engine.embed(ids, truncate=body.truncate, timeout=x_request_timeout)
+        )
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,18 +345,6 @@ def _encode(vec: np.ndarray[Any, Any], fmt: str) -> Any:
     if fmt == "base64":
         return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
     return vec.tolist()
-
-
-def _timeout_header(raw: str | None) -> float | None:
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise BadInput(f"{TIMEOUT_HEADER} must be a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise BadInput(f"{TIMEOUT_HEADER} must be a positive, finite number of seconds")
-    return value
 
 
 def _token_ids(
