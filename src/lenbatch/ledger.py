@@ -86,28 +86,19 @@ class Ledger:
 
     def answer(self, r: Request, vec: Vector) -> None:
         """End `r` with its vector (or as cancelled if its caller has gone)."""
-        t: Ticket = r.handle
-        if t.finished:
-            return
-        if t.future.cancelled():
-            self._finish(r, RequestStatus.CANCELLED)
-            return
-        t.future.set_result(vec)
-        self._finish(r, RequestStatus.OK)
+        if self._still_wanted(r):
+            r.handle.future.set_result(vec)
+            self._finish(r, RequestStatus.OK)
 
     def fail(self, r: Request, err: LenbatchError) -> None:
         """End `r` with `err` (or as cancelled if its caller has gone)."""
-        t: Ticket = r.handle
-        if t.finished:
-            return
-        if t.future.cancelled():
-            self._finish(r, RequestStatus.CANCELLED)
-            return
-        t.future.set_exception(err)
-        # Retrieved by gather; if the caller has gone, do not warn about it.
-        t.future.add_done_callback(_consume_exception)
-        status = RequestStatus.EXPIRED if isinstance(err, DeadlineExceeded) else RequestStatus.ERROR
-        self._finish(r, status)
+        if self._still_wanted(r):
+            fut: asyncio.Future[Vector] = r.handle.future
+            fut.set_exception(err)
+            # Retrieved by gather; if the caller has gone, do not warn about it.
+            fut.add_done_callback(_consume_exception)
+            expired = isinstance(err, DeadlineExceeded)
+            self._finish(r, RequestStatus.EXPIRED if expired else RequestStatus.ERROR)
 
     def cancel(self, r: Request) -> bool:
         """End `r` as cancelled; False if it had already ended."""
@@ -123,6 +114,17 @@ class Ledger:
         """Close the length log."""
         if self.length_log is not None:
             self.length_log.close()
+
+    def _still_wanted(self, r: Request) -> bool:
+        """True if `r` awaits its answer; an ended request stays ended, and one whose caller
+        cancelled its future is ended here as cancelled."""
+        t: Ticket = r.handle
+        if t.finished:
+            return False
+        if t.future.cancelled():
+            self._finish(r, RequestStatus.CANCELLED)
+            return False
+        return True
 
     def _finish(self, r: Request, status: RequestStatus) -> None:
         t: Ticket = r.handle
