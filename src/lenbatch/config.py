@@ -252,6 +252,10 @@ class RecoveryConfig(BaseModel):
     probe_after_failures: int = Field(8, ge=1)
     """After this many failed model calls in a row, run one known-good input: if it fails too,
     the runner is declared crashed (not ready, every waiting request answered with 503)."""
+    batch_timeout_s: float | None = Field(None, gt=0)
+    """A batch still running after this many seconds means the runner hangs: it is declared
+    crashed, and its requests answered 503 (None: wait for ever; set it above the slowest
+    batch the budget allows)."""
 
 
 class Settings(BaseModel):

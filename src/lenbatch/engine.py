@@ -15,8 +15,9 @@ When the model fails:
 * a batch that runs out of memory (`MemoryError`, torch's `OutOfMemoryError`) is split and the
   halves retried, and its lane's batch cap is halved for a cool-down (`BatchCaps`); an input
   that runs out of memory alone is answered 503 `out_of_memory`;
-* a runner that raises `RunnerCrashed`, or that keeps failing and then fails a known-good probe
-  input, is declared crashed: the engine turns not-ready and answers every waiting request 503.
+* a runner that raises `RunnerCrashed`, that keeps failing and then fails a known-good probe
+  input, or whose batch runs past `batch_timeout_s`, is declared crashed: the engine turns
+  not-ready and answers every waiting request 503.
 
 Shutdown: `begin_drain()` refuses new requests (503) and flushes the queues without waiting for
 batches to fill; `stop()` waits for every admitted request up to a timeout and answers whatever
@@ -382,8 +383,15 @@ class Engine:
         start = self.clock.now()
         for r in live:
             r.handle.started = start
+        running = loop.run_in_executor(self._executor, self.runner.embed, batch)
+        limit = self.recovery.batch_timeout_s
+        if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
+            self._crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
+            for r in live:
+                self.ledger.fail(r, self._refusal())
+            return
         try:
-            out = await loop.run_in_executor(self._executor, self.runner.embed, batch)
+            out = await running
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # whatever the model raises, every request gets an answer

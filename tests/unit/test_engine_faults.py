@@ -213,6 +213,29 @@ async def test_sticky_failures_are_detected_by_a_probe(
     assert engine.failure is not None and "probe" in engine.failure
 
 
+async def test_a_hung_runner_is_declared_crashed_after_the_batch_timeout(
+    fake: FakeRunner, started: list[Engine]
+) -> None:
+    """A batch that never returns: past `batch_timeout_s` its requests and the queued ones get
+    503 and the engine reports failed, instead of hanging with it."""
+    hold = threading.Event()
+    engine = make(
+        FaultyRunner(fake, hold=hold),
+        max_batch=1,
+        max_wait_ms=0,
+        recovery=RecoveryConfig(batch_timeout_s=0.05),
+    )
+    started.append(engine)
+    try:
+        await engine.start()
+        results = await run_calls(engine, [ids(3), ids(4), ids(5)])
+        for err in results:
+            assert isinstance(err, Unavailable) and err.code == "runner_failed"
+        assert engine.failure is not None and "longer than 0.05 s" in engine.failure
+    finally:
+        hold.set()
+
+
 async def test_a_flood_of_poison_inputs_does_not_take_the_server_down(
     fake: FakeRunner, started: list[Engine]
 ) -> None:
