@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from conftest import live_server
 from hypothesis import HealthCheck, settings
+from robust_servers import live_server
 from schemathesis import GenerationMode
 
 from lenbatch.config import BatchingConfig, Settings

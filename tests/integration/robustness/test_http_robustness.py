@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import live_server
+from robust_servers import live_server
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, Settings
 from lenbatch.engine import Engine

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from conftest import Outcome, burst, serve_process
+from robust_servers import Outcome, burst, serve_process
 
 from lenbatch.metrics import percentile
 

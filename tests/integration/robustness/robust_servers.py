@@ -1,5 +1,6 @@
-"""Servers for the robustness tests: uvicorn in a thread (with any runner, e.g. one held on an
-event) and `lenbatch serve` as a subprocess (for signals and load), both on 127.0.0.1 only."""
+"""Servers and load for the robustness tests: uvicorn in a thread (with any runner, e.g. one
+held on an event), `lenbatch serve` as a subprocess (for signals and load), and a bounded
+open-loop burst; all on 127.0.0.1 only. (A plain module, not a conftest, so its name is unique.)"""
 
 from __future__ import annotations
 
