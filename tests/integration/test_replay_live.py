@@ -6,17 +6,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from lenbatch.benchrun import free_port
 from lenbatch.cli import main
 from lenbatch.summary import SUMMARY_KEYS
+from tests.integration.conftest import LiveServer
 
 pytestmark = pytest.mark.model
 
@@ -31,39 +27,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextmanager
-def lenbatch_server(strategy: str) -> Iterator[str]:
-    """The real app (`lenbatch serve`'s engine and HTTP layer, MiniLM) on a loopback port."""
-    import uvicorn
-
-    from lenbatch.config import BatchingConfig, Strategy
-    from lenbatch.engine import Engine
-    from lenbatch.runners import load_runner
-    from lenbatch.server import create_app
-
-    engine = Engine(load_runner("minilm"), BatchingConfig(strategy=Strategy.parse(strategy)))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "server thread died"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def test_replay_against_lenbatch_serve(tmp_path: Path) -> None:
+def test_replay_against_lenbatch_serve(tmp_path: Path, served_minilm: LiveServer) -> None:
     """Every request is answered, and the server counted exactly the tokens we meant to send."""
     out = tmp_path / "summary.json"
-    with lenbatch_server("bucketed") as url:
-        argv = ["replay", "azure-conv", "--url", url, "--start", "40", "--duration", "3"]
-        assert main([*argv, *MAPPING, "--json", str(out)]) == 0
+    argv = ["replay", "azure-conv", "--url", served_minilm.url, "--start", "40", "--duration", "3"]
+    assert main([*argv, *MAPPING, "--json", str(out)]) == 0
     s = json.loads(out.read_text())
     assert set(SUMMARY_KEYS) <= set(s)
     assert s["requests"] >= 5

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from replay_fakes import FakeServer, serving
 
 from lenbatch.endpoints import CompletionsEndpoint
 from lenbatch.replay import ReplayPlan, replay, summarize_replay
 from lenbatch.summary import OUTCOME_ERROR, OUTCOME_OK
+from tests.unit.replay_fakes import FakeServer, serving
 
 
 def _plan(bodies: list[bytes], times: list[float]) -> ReplayPlan:

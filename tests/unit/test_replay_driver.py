@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from replay_fakes import FakeServer, serving
 
 from lenbatch.endpoints import EmbeddingsEndpoint
 from lenbatch.replay import ReplayPlan, ReplayResult, replay, summarize_replay
 from lenbatch.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED
+from tests.unit.replay_fakes import FakeServer, serving
 
 
 def _plan(times: list[float], bodies: list[dict[str, object]], lengths: list[int]) -> ReplayPlan:
