@@ -26,7 +26,7 @@ from lenbatch.config import Settings
 from lenbatch.engine import Engine
 from lenbatch.errors import BadInput, LenbatchError
 
-__all__ = ["EmbeddingRequest", "create_app"]
+__all__ = ["EmbeddingRequest", "create_app", "error_response", "new_app"]
 
 log = logging.getLogger("lenbatch.server")
 
@@ -75,24 +75,10 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
-    settings = settings or Settings()
-    served = settings.server.served_model_name or engine.info.name
-    accepted_names = {served, engine.info.name, settings.model.name}
+def new_app(settings: Settings, lifespan: Any) -> FastAPI:
+    """A FastAPI app with what every lenbatch server shares: CORS, the API-key and body-size
+    guard, and error handlers that answer in OpenAI's shape without echoing request content."""
     api_key = settings.server.api_key
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        log.info(
-            "engine started: strategy=%s lanes=%s",
-            engine.cfg.strategy.value,
-            ",".join(engine.lane_labels),
-        )
-        yield
-        await engine.stop(timeout=settings.server.drain_timeout_s)
-
     app = FastAPI(title="lenbatch", version="0.1.0", lifespan=lifespan)
 
     if settings.server.cors_origins:
@@ -158,6 +144,28 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(LenbatchError)
     async def on_lenbatch_error(request: Request, exc: LenbatchError) -> JSONResponse:
         return error_response(exc)
+
+    return app
+
+
+def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
+    settings = settings or Settings()
+    served = settings.server.served_model_name or engine.info.name
+    accepted_names = {served, engine.info.name, settings.model.name}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info(
+            "engine started: strategy=%s lanes=%s",
+            engine.cfg.strategy.value,
+            ",".join(engine.lane_labels),
+        )
+        yield
+        await engine.stop(timeout=settings.server.drain_timeout_s)
+
+    app = new_app(settings, lifespan)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random causal LMs (Llama and GPT-2) written to a temporary folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama with its BPE tokenizer and chat template, in HF folder layout."""
+    from lenbatch.generate.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny GPT-2 (absolute position embeddings) with the same tokenizer."""
+    from lenbatch.generate.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2")
+
+
+@pytest.fixture(scope="session")
+def llama_runner(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
+    """The tiny Llama loaded through the real runner (float32, the default sdpa attention)."""
+    from lenbatch.runners.causal import CausalLMRunner
+
+    return CausalLMRunner(tiny_llama_dir, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_runner(tiny_gpt2_dir: Path):  # type: ignore[no-untyped-def]
+    """The tiny GPT-2 loaded through the real runner."""
+    from lenbatch.runners.causal import CausalLMRunner
+
+    return CausalLMRunner(tiny_gpt2_dir, name="tiny-gpt2")
+
+
+@pytest.fixture(scope="session")
+def greedy_refs(llama_runner, gpt2_runner):  # type: ignore[no-untyped-def]
+    """Per architecture: (runner, prompt token ids, generate() greedy tokens of each alone)."""
+    from llm_reference import MAX_NEW, PROMPTS, reference_greedy
+
+    out = {}
+    for arch, runner in (("llama", llama_runner), ("gpt2", gpt2_runner)):
+        prompts = runner.tokenize(PROMPTS)
+        out[arch] = (runner, prompts, [reference_greedy(runner, p, MAX_NEW) for p in prompts])
+    return out
