@@ -5,6 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread: the tiny models gain nothing from more, and on a shared 2-core machine
+# spinning worker threads slow every forward pass many times over.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -98,8 +98,8 @@ class UnitResult:
     released_lanes: list[int] = field(default_factory=list)  # scheduler batches now done
     compute_s: float = 0.0
     rows: int = 0
-    tokens: int = 0  # real tokens computed (prompt tokens of a chunk, or decode rows)
-    padded: int = 0  # tokens computed including padding
+    tokens: int = 0  # prefill: real prompt tokens of the chunk; decode: real cached tokens
+    padded: int = 0  # prefill: chunk tokens incl. padding; decode: cache columns x rows
     job: PrefillJob | None = None  # the prefill job this unit ran
     finished_job: bool = False
 
@@ -242,8 +242,9 @@ class DecodeCore:
             result.deltas.append((s, s.add_token(tok, eos)))
         result.compute_s = end - start
         result.rows = kv.rows
-        result.tokens = kv.rows
-        result.padded = kv.rows * kv.width  # attention columns computed, padding included
+        # What attention read this step: real cached tokens vs all columns (padding included).
+        result.tokens = kv.real_tokens
+        result.padded = kv.rows * kv.width
         self.kv_bytes()
         result.released_lanes.extend(self._drop_done())
         return result
