@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shlex
 import tempfile
 import threading
 import time
@@ -333,11 +334,12 @@ def main() -> None:
                 records, extra = asyncio.run(run_lenbatch(runner, reqs, name, args))
             rows.append(summarize(name, records, extra))
             print(f"{name}: {time.perf_counter() - began:.1f} s", flush=True)
-    cmd = "python bench/llm_bench.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}"
+    flags = [
+        f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
         for k, v in vars(args).items()
-        if v not in (None, "") and k != "out"
-    )
+        if v not in (None, "") and k not in ("out", "note")
+    ]
+    cmd = "python bench/llm_bench.py " + " ".join(flags)
     header = [
         f"# LLM decode strategies: {runner.info.name}",
         "",

@@ -17,11 +17,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from lenbatch.config import Settings
 from lenbatch.errors import BadInput, LenbatchError
@@ -29,106 +28,19 @@ from lenbatch.generate.engine import GenerationEngine
 from lenbatch.generate.sampling import SamplingParams
 from lenbatch.generate.sequence import Delta
 from lenbatch.generate.sequence import Sequence as GenSequence
+from lenbatch.llm_api import (
+    ChatRequest,
+    CommonOptions,
+    CompletionRequest,
+    chunk,
+    obj_line,
+    usage,
+)
 from lenbatch.server import _timeout_header, _until_disconnect, error_response, new_app
 
-__all__ = ["ChatRequest", "CompletionRequest", "create_llm_app"]
+__all__ = ["create_llm_app"]
 
 log = logging.getLogger("lenbatch.server")
-
-MAX_STOP = 4
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's `stream_options`."""
-
-    include_usage: bool = False
-
-
-class _Common(BaseModel):
-    """Options shared by completions and chat completions (OpenAI's names)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    user: str | None = None
-
-    def unsupported(self) -> str | None:
-        """The first option set to something this server cannot honour, named."""
-        if self.n != 1:
-            return f"n={self.n}: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs are not supported"
-        return None
-
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request (max_tokens already defaulted)."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP:
-            raise BadInput(f"{len(stop)} stop sequences given; the limit is {MAX_STOP}")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                seed=self.seed,
-                stop=tuple(stop),
-                ignore_eos=self.ignore_eos,
-            )
-        except ValueError as exc:
-            raise BadInput(str(exc)) from None
-
-
-class CompletionRequest(_Common):
-    """Body of `POST /v1/completions`."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    """One chat message; `content` is text or a list of OpenAI text parts."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The message's text (text parts joined)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise BadInput(f"message content part of type {p.get('type')!r} is not supported")
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
-
-
-class ChatRequest(_Common):
-    """Body of `POST /v1/chat/completions`."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -> FastAPI:
@@ -202,7 +114,7 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         arrival = engine.clock.now()
         if (bad := check_model(body.model)) is not None:
             return bad
-        why = body.unsupported() or _completion_unsupported(body)
+        why = body.unsupported()
         if why is not None:
             raise BadInput(why)
         prompts = _prompt_ids(body.prompt, engine)
@@ -236,16 +148,6 @@ class _NotFound(LenbatchError):
     status = 404
     code = "model_not_found"
     kind = "invalid_request_error"
-
-
-def _completion_unsupported(body: CompletionRequest) -> str | None:
-    if body.echo:
-        return "echo is not supported"
-    if body.best_of not in (None, 1):
-        return "best_of is not supported"
-    if body.suffix:
-        return "suffix is not supported"
-    return None
 
 
 def _prompt_ids(
@@ -323,21 +225,11 @@ async def _merged(
             engine.cancel(s)
 
 
-def _usage(seqs: Sequence[GenSequence]) -> dict[str, int]:
-    prompt = sum(s.prompt_tokens for s in seqs)
-    completion = sum(len(s.generated) for s in seqs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
 async def _respond(
     request: Request,
     engine: GenerationEngine,
     seqs: list[GenSequence],
-    body: _Common,
+    body: CommonOptions,
     served: str,
     *,
     chat: bool,
@@ -374,7 +266,7 @@ async def _respond(
         "created": created,
         "model": served,
         "choices": choices,
-        "usage": _usage(seqs),
+        "usage": usage(seqs),
         "lenbatch": {"timings": [s.timings.summary_ms() for s in seqs]},
     }
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
@@ -392,22 +284,6 @@ async def _collect(
     return texts, reasons
 
 
-def _chunk(rid: str, created: int, served: str, chat: bool, choices: list[Any]) -> str:
-    obj = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": served,
-        "choices": choices,
-    }
-    return obj_line(obj)
-
-
-def obj_line(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 async def _sse(
     engine: GenerationEngine,
     seqs: list[GenSequence],
@@ -423,22 +299,22 @@ async def _sse(
         if chat:
             for i in range(len(seqs)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield _chunk(rid, created, served, chat, [dict(first, finish_reason=None)])
+                yield chunk(rid, created, served, chat, [dict(first, finish_reason=None)])
         async for i, d in _merged(engine, seqs):
             if chat:
                 choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
             else:
                 choice = {"index": i, "text": d.text, "logprobs": None}
             choice["finish_reason"] = d.finish_reason
-            line = _chunk(rid, created, served, chat, [choice])
+            line = chunk(rid, created, served, chat, [choice])
             if d.finish_reason is not None:
                 obj = json.loads(line[6:])
                 obj["lenbatch"] = {"index": i, "timings": seqs[i].timings.summary_ms()}
                 line = obj_line(obj)
             yield line
         if include_usage:
-            obj = json.loads(_chunk(rid, created, served, chat, [])[6:])
-            obj["usage"] = _usage(seqs)
+            obj = json.loads(chunk(rid, created, served, chat, [])[6:])
+            obj["usage"] = usage(seqs)
             yield obj_line(obj)
     except LenbatchError as err:
         yield obj_line(json.loads(bytes(error_response(err).body).decode()))

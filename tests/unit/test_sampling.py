@@ -87,3 +87,13 @@ def test_invalid_params_are_refused(kwargs: dict[str, object]) -> None:
     """Out-of-range options raise ValueError naming the option."""
     with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_mask_eos_keeps_young_rows_from_ending() -> None:
+    """Rows below min_tokens cannot choose an end-of-sequence token; other rows still can."""
+    from lenbatch.generate.sampling import mask_eos
+
+    logits = torch.tensor([[0.0, 9.0, 1.0], [0.0, 9.0, 1.0]])
+    mask_eos(logits, [0], frozenset({1}))
+    p = SamplingParams(temperature=0)
+    assert choose_tokens(logits, [p, p], [None, None]) == [2, 1]

@@ -23,7 +23,7 @@ import torch
 
 from lenbatch.collate import Collated, collate
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
-from lenbatch.generate.sampling import choose_tokens
+from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.sequence import Delta, Sequence
 from lenbatch.runners.base import ModelInfo, RunnerMemory
 
@@ -203,9 +203,7 @@ class DecodeCore:
         result.finished_job = True
         for s in job.seqs:
             s.timings.prefill_end = end
-        tokens = choose_tokens(
-            logits, [s.params for s in job.seqs], [s.generator for s in job.seqs]
-        )
+        tokens = _choose(logits, job.seqs, self.runner.eos_token_ids)
         eos = self.runner.eos_token_ids
         for s, tok in zip(job.seqs, tokens, strict=True):
             result.deltas.append((s, s.add_token(tok, eos)))
@@ -233,9 +231,7 @@ class DecodeCore:
         start = self.now()
         logits = self.runner.forward(ids, mask, pos, kv.cache)
         end = self.now()
-        tokens = choose_tokens(
-            logits, [s.params for s in self.rows], [s.generator for s in self.rows]
-        )
+        tokens = _choose(logits, self.rows, self.runner.eos_token_ids)
         kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
         eos = self.runner.eos_token_ids
         for s, tok in zip(self.rows, tokens, strict=True):
@@ -301,3 +297,10 @@ class DecodeCore:
             elif self.running is not None:
                 self.running.select(keep)
         return self.release_held()
+
+
+def _choose(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[int]) -> list[int]:
+    """Next token of each row; rows below their `min_tokens` cannot end yet."""
+    young = [i for i, s in enumerate(seqs) if len(s.generated) < s.params.min_tokens]
+    mask_eos(logits, young, eos)
+    return choose_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])

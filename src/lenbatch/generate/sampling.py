@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "TextTracker", "choose_tokens", "make_generator"]
+__all__ = ["SamplingParams", "TextTracker", "choose_tokens", "make_generator", "mask_eos"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_p` keeps the smallest set of most likely tokens whose
     probability reaches `top_p`. `seed` makes sampling reproducible. `stop` strings end the text
     (not included in it). `ignore_eos` keeps generating past end-of-sequence tokens until
-    `max_tokens` (benchmarks replaying a trace's output lengths need it).
+    `max_tokens` (benchmarks replaying a trace's output lengths need it). `min_tokens` keeps
+    end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
     """
 
     max_tokens: int = 16
@@ -33,10 +34,16 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -88,6 +95,15 @@ def choose_tokens(
         else:
             out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+def mask_eos(logits: torch.Tensor, rows: Sequence[int], eos_ids: frozenset[int]) -> None:
+    """Make end-of-sequence tokens unchoosable in `rows` of `logits` (in place)."""
+    if not rows or not eos_ids:
+        return
+    idx = torch.tensor(sorted(eos_ids), dtype=torch.long, device=logits.device)
+    for row in rows:
+        logits[row, idx] = float("-inf")
 
 
 class TextTracker:
