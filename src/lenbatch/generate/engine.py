@@ -119,6 +119,11 @@ class GenerationEngine:
         """Start the loop on the running event loop."""
         if self.state is not GenState.NEW:
             raise RuntimeError(f"engine already {self.state.value}")
+        warm_up = getattr(self.runner, "warm_up", None)
+        if callable(warm_up):
+            started = time.monotonic()
+            await asyncio.get_running_loop().run_in_executor(self._executor, warm_up)
+            log.info("model warmed up in %.2f s", time.monotonic() - started)
         self._wakeup = asyncio.Event()
         self.state = GenState.RUNNING
         self._loop_task = asyncio.create_task(self._loop(), name="lenbatch-generate")

@@ -210,6 +210,19 @@ class CausalLMRunner:
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits
 
+    def warm_up(self) -> None:
+        """One small prefill and decode step, so the first request does not pay for lazy
+        initialisation of kernels and weight layouts."""
+        pad = self.info.pad_token_id
+        ids = torch.full((2, 8), pad, dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self.new_cache()
+        self.forward(ids, mask, pos, cache)
+        step_mask = torch.cat([mask, torch.ones((2, 1), dtype=torch.long, device=self.device)], 1)
+        self.forward(ids[:, :1], step_mask, pos[:, -1:] + 1, cache)
+
     def memory(self) -> RunnerMemory:
         """Weights apart from peak activations (KV cache included; the engine subtracts it)."""
         if self.device.type == "cuda":
