@@ -1,9 +1,19 @@
-"""Shared fixtures: tiny random causal LMs (Llama and GPT-2) written to a temporary folder."""
+"""Shared test set-up: never reach for a model hub; tiny random causal LMs (Llama, GPT-2)."""
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Import Hypothesis now, at a shallow stack: CPython 3.11.7 can raise "AST constructor
+# recursion depth mismatch" when pytest's assertion rewriter first imports it from deep inside
+# the terminal-summary hook at the end of a session that never used it.
 from pathlib import Path
 
+import hypothesis  # noqa: F401
 import pytest
 import torch
 
@@ -47,7 +57,7 @@ def gpt2_runner(tiny_gpt2_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def greedy_refs(llama_runner, gpt2_runner):  # type: ignore[no-untyped-def]
     """Per architecture: (runner, prompt token ids, generate() greedy tokens of each alone)."""
-    from llm_reference import MAX_NEW, PROMPTS, reference_greedy
+    from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
     out = {}
     for arch, runner in (("llama", llama_runner), ("gpt2", gpt2_runner)):

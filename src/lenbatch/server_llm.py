@@ -17,9 +17,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lenbatch.config import Settings
@@ -36,11 +36,21 @@ from lenbatch.llm_api import (
     obj_line,
     usage,
 )
-from lenbatch.server import _timeout_header, _until_disconnect, error_response, new_app
+from lenbatch.server import _until_disconnect, error_response, new_app
 
 __all__ = ["create_llm_app"]
 
 log = logging.getLogger("lenbatch.server")
+
+
+_Timeout = Annotated[
+    float | None,
+    Header(
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds the request may wait in the queue before it is answered 504.",
+    ),
+]
 
 
 def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -> FastAPI:
@@ -109,7 +119,9 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(
+        body: CompletionRequest, request: Request, x_request_timeout: _Timeout = None
+    ) -> Response:
         """OpenAI-compatible text completion; each prompt is batched by its own length."""
         arrival = engine.clock.now()
         if (bad := check_model(body.model)) is not None:
@@ -121,11 +133,13 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         longest = max(len(p) for p in prompts)
         max_tokens = body.max_tokens or min(gen.default_max_tokens, context_left(longest))
         params = body.sampling(max_tokens)
-        seqs = _submit_all(engine, prompts, params, arrival, _timeout_header(request))
+        seqs = _submit_all(engine, prompts, params, arrival, x_request_timeout)
         return await _respond(request, engine, seqs, body, served, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    async def chat_completions(
+        body: ChatRequest, request: Request, x_request_timeout: _Timeout = None
+    ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
         arrival = engine.clock.now()
         if (bad := check_model(body.model)) is not None:
@@ -138,7 +152,7 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         prompt = engine.runner.chat_prompt(messages)  # type: ignore[attr-defined]
         max_tokens = body.max_completion_tokens or body.max_tokens or context_left(len(prompt))
         params = body.sampling(max_tokens)
-        seqs = _submit_all(engine, [prompt], params, arrival, _timeout_header(request))
+        seqs = _submit_all(engine, [prompt], params, arrival, x_request_timeout)
         return await _respond(request, engine, seqs, body, served, chat=True)
 
     return app

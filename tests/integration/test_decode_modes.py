@@ -11,7 +11,7 @@ import pytest
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.errors import ModelFailed
 from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
-from llm_reference import PROMPTS
+from tests.llm_reference import PROMPTS
 
 
 def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:

@@ -12,7 +12,7 @@ import torch
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
-from llm_reference import MAX_NEW, PROMPTS, reference_greedy
+from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
 
 def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
