@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import numpy as np
 import uvicorn
@@ -42,12 +42,14 @@ from lenbatch.engine import Engine
 from lenbatch.errors import BadInput, LenbatchError
 
 __all__ = [
+    "Drainable",
     "DrainingServer",
     "EmbeddingRequest",
     "create_app",
     "error_response",
     "new_app",
     "serve",
+    "serve_app",
 ]
 
 log = logging.getLogger("lenbatch.server")
@@ -406,6 +408,19 @@ def _token_ids(
     return ids
 
 
+class Drainable(Protocol):
+    """What `DrainingServer` needs from an engine (embedding or generation)."""
+
+    @property
+    def unanswered(self) -> int:
+        """Admitted requests not answered yet."""
+        ...
+
+    async def drain(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests; answer every admitted one within `timeout` seconds."""
+        ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the engine before uvicorn's own shutdown begins.
 
@@ -415,7 +430,7 @@ class DrainingServer(uvicorn.Server):
     new requests get 503 `shutting_down`, which load balancers treat as "go elsewhere".
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Drainable, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
@@ -439,8 +454,13 @@ class DrainingServer(uvicorn.Server):
 
 def serve(engine: Engine, settings: Settings) -> None:
     """Serve `engine` over HTTP until SIGTERM or Ctrl-C, then drain and exit."""
+    serve_app(create_app(engine, settings), engine, settings)
+
+
+def serve_app(app: FastAPI, engine: Drainable, settings: Settings) -> None:
+    """Serve `app` (whose lifespan starts `engine`) until SIGTERM or Ctrl-C, drain, exit."""
     config = uvicorn.Config(
-        create_app(engine, settings),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
-from lenbatch.errors import ModelFailed
+from lenbatch.errors import ModelFailed, Unavailable
 from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
 from tests.llm_reference import PROMPTS
 
@@ -132,3 +132,40 @@ async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) ->
     assert [len(o) for i, o in enumerate(out) if i != 2] == [4, 4, 4]
     assert not engine._open
     assert engine.queues.inflight_total == 0
+
+
+async def test_drain_finishes_admitted_requests_and_refuses_new_ones(llama_runner: Any) -> None:
+    """Draining answers everything already admitted, then new requests get 503."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    prompts = llama_runner.tokenize(PROMPTS[:3])
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    await engine.start()
+    try:
+        seqs = [engine.submit(x, p) for x in prompts]
+        results = asyncio.ensure_future(_drain(engine, seqs))
+        await engine.drain(timeout=60)
+        assert engine.unanswered == 0
+        assert [s.finish_reason for s in seqs] == ["length"] * 3
+        assert [len(r) for r in await results] == [8, 8, 8]
+        with pytest.raises(Unavailable, match="shutting down"):
+            engine.submit(prompts[0], p)
+    finally:
+        await engine.stop()
+
+
+async def test_drain_timeout_ends_the_rest_with_503(llama_runner: Any) -> None:
+    """Requests still running when the drain timeout passes end with an explicit 503."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    prompt = llama_runner.tokenize(PROMPTS[:1])[0]
+    await engine.start()
+    try:
+        seq = engine.submit(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        while not seq.generated:
+            await asyncio.sleep(0.001)
+        await engine.drain(timeout=0.05)
+        with pytest.raises(Unavailable, match="drain timeout"):
+            async for _ in engine.stream(seq):
+                pass
+        assert engine.unanswered == 0
+    finally:
+        await engine.stop()

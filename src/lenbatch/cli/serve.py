@@ -154,17 +154,10 @@ def run(args: argparse.Namespace) -> int:
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
     if causal is not None:
-        import uvicorn
+        from lenbatch.server import serve_app
 
-        app = _llm_app(settings, causal, length_log)
-        # The generation engine drains in the app's lifespan shutdown (engine.stop).
-        uvicorn.run(
-            app,
-            host=settings.server.host,
-            port=settings.server.port,
-            log_level=settings.server.log_level,
-            timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
-        )
+        app, gen_engine = _llm_app(settings, causal, length_log)
+        serve_app(app, gen_engine, settings)
         return 0
     runner = load_runner(
         m.name, device=m.device, max_length=m.max_length, torch_threads=m.torch_threads
@@ -203,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llm_app(settings: Settings, ref: Any, length_log: Any) -> Any:
+def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     """Load a causal LM and build the generation app (OpenAI completions)."""
     from lenbatch.generate.engine import GenerationEngine
     from lenbatch.runners.causal import CausalLMRunner
@@ -236,4 +229,4 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> Any:
         " (default, not fitted: run `lenbatch fit`)" if engine.uses_default_boundaries else "",
         runner.has_chat_template,
     )
-    return create_llm_app(engine, settings)
+    return create_llm_app(engine, settings), engine

@@ -129,33 +129,50 @@ class GenerationEngine:
         self._loop_task = asyncio.create_task(self._loop(), name="lenbatch-generate")
         self.refresh_memory()
 
+    async def drain(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests and wait up to `timeout` seconds for every admitted one to end;
+        end whatever is left with 503. The loop keeps running."""
+        if self.state is GenState.RUNNING:
+            self.state = GenState.DRAINING
+            # Nobody will join partial batches any more: flush them now.
+            lanes = tuple(dataclasses.replace(p, max_wait=0.0) for p in self.cfg.lanes)
+            self.cfg = dataclasses.replace(self.cfg, lanes=lanes)
+            self._kick()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._open and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.01)
+        if not self._open:
+            return
+        log.warning("drain timeout of %s s passed: ending %d with 503", timeout, len(self._open))
+        self.queues.drain()
+        err = Unavailable(
+            f"the server shut down before this request finished (drain timeout {timeout} s)",
+            code="shutdown",
+        )
+        for seq in list(self._open.values()):
+            self._fail(seq, err)
+
     async def stop(self, timeout: float | None = 30.0) -> None:
-        """Stop accepting; let queued and running requests finish for up to `timeout` seconds,
-        then end whatever is left with an error."""
+        """`drain(timeout)`, then stop the loop and the worker thread. Nothing admitted is
+        dropped silently."""
         if self.state in (GenState.NEW, GenState.STOPPED):
             self.state = GenState.STOPPED
             self._executor.shutdown(wait=False)
             return
-        self.state = GenState.DRAINING
-        self.cfg = dataclasses.replace(
-            self.cfg, lanes=tuple(dataclasses.replace(p, max_wait=0.0) for p in self.cfg.lanes)
-        )
-        self._kick()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._open and (deadline is None or time.monotonic() < deadline):
-            await asyncio.sleep(0.01)
+        await self.drain(timeout)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        self.queues.drain()
-        err = Unavailable(f"server shut down; drain timeout of {timeout} s passed")
-        for seq in list(self._open.values()):
-            self._fail(seq, err)
         self.state = GenState.STOPPED
         self._executor.shutdown(wait=True)
         if self.length_log is not None:
             self.length_log.close()
+
+    @property
+    def unanswered(self) -> int:
+        """Admitted requests that have not ended yet (queued, prefilling or decoding)."""
+        return len(self._open)
 
     @property
     def ready(self) -> bool:
@@ -182,6 +199,12 @@ class GenerationEngine:
         `arrival` is when the caller received the request (before tokenizing), for the TTFT
         breakdown. Raises a `LenbatchError` when the request cannot be admitted.
         """
+        if self.state is GenState.DRAINING:
+            raise Unavailable(
+                "server is shutting down (draining); not accepting new requests",
+                retry_after=1.0,
+                code="shutting_down",
+            )
         if self.state is not GenState.RUNNING:
             raise Unavailable(f"server is {self.state.value}; not accepting requests")
         if not prompt:
