@@ -1,4 +1,4 @@
-"""Shared test set-up: never reach for a model hub."""
+"""Shared test set-up: never reach for a model hub; tiny random causal LMs (Llama, GPT-2)."""
 
 from __future__ import annotations
 
@@ -11,4 +11,56 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Import Hypothesis now, at a shallow stack: CPython 3.11.7 can raise "AST constructor
 # recursion depth mismatch" when pytest's assertion rewriter first imports it from deep inside
 # the terminal-summary hook at the end of a session that never used it.
+from pathlib import Path
+
 import hypothesis  # noqa: F401
+import pytest
+import torch
+
+# One intra-op thread: the tiny models gain nothing from more, and on a shared 2-core machine
+# spinning worker threads slow every forward pass many times over.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama with its BPE tokenizer and chat template, in HF folder layout."""
+    from lenbatch.generate.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny GPT-2 (absolute position embeddings) with the same tokenizer."""
+    from lenbatch.generate.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2")
+
+
+@pytest.fixture(scope="session")
+def llama_runner(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
+    """The tiny Llama loaded through the real runner (float32, the default sdpa attention)."""
+    from lenbatch.runners.causal import CausalLMRunner
+
+    return CausalLMRunner(tiny_llama_dir, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_runner(tiny_gpt2_dir: Path):  # type: ignore[no-untyped-def]
+    """The tiny GPT-2 loaded through the real runner."""
+    from lenbatch.runners.causal import CausalLMRunner
+
+    return CausalLMRunner(tiny_gpt2_dir, name="tiny-gpt2")
+
+
+@pytest.fixture(scope="session")
+def greedy_refs(llama_runner, gpt2_runner):  # type: ignore[no-untyped-def]
+    """Per architecture: (runner, prompt token ids, generate() greedy tokens of each alone)."""
+    from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
+
+    out = {}
+    for arch, runner in (("llama", llama_runner), ("gpt2", gpt2_runner)):
+        prompts = runner.tokenize(PROMPTS)
+        out[arch] = (runner, prompts, [reference_greedy(runner, p, MAX_NEW) for p in prompts])
+    return out

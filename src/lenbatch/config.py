@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = [
     "AdmissionConfig",
     "BatchingConfig",
+    "DecodeMode",
+    "GenerationConfig",
     "LanePolicy",
     "ModelConfig",
     "RecoveryConfig",
@@ -258,6 +260,30 @@ class RecoveryConfig(BaseModel):
     batch the budget allows)."""
 
 
+class DecodeMode(StrEnum):
+    """How a causal LM decodes its batches (see `lenbatch.generate.policy`)."""
+
+    STATIC = "static"  # a batch prefills together and decodes together until all rows stop
+    CONTINUOUS = "continuous"  # rows join and leave the running batch at every step
+
+
+class GenerationConfig(BaseModel):
+    """Text generation (causal LMs only): decode mode, step budget and request defaults."""
+
+    model_config = _FROZEN
+
+    mode: DecodeMode = DecodeMode.CONTINUOUS
+    """Decode mode: static per-bucket batches or continuous batching."""
+    max_running: int = Field(32, ge=1)
+    """continuous: most sequences decoding at once (bounds the KV cache)."""
+    step_tokens: int = Field(256, ge=1)
+    """continuous: token budget of one step; a prefill chunk gets it minus the running rows."""
+    default_max_tokens: int = Field(16, ge=1)
+    """`max_tokens` of a completion that does not say (OpenAI's default is 16)."""
+    max_tokens_limit: int | None = Field(None, ge=1)
+    """Largest `max_tokens` a request may ask for (None: up to the context length)."""
+
+
 class Settings(BaseModel):
     """Everything `lenbatch serve` runs with."""
 
@@ -268,6 +294,7 @@ class Settings(BaseModel):
     server: ServerConfig = ServerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    generation: GenerationConfig = GenerationConfig()
 
 
 @dataclass(frozen=True, slots=True)

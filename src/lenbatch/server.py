@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import numpy as np
 import uvicorn
@@ -41,7 +41,16 @@ from lenbatch.config import Settings
 from lenbatch.engine import Engine
 from lenbatch.errors import BadInput, LenbatchError
 
-__all__ = ["DrainingServer", "EmbeddingRequest", "create_app", "serve"]
+__all__ = [
+    "Drainable",
+    "DrainingServer",
+    "EmbeddingRequest",
+    "create_app",
+    "error_response",
+    "new_app",
+    "serve",
+    "serve_app",
+]
 
 log = logging.getLogger("lenbatch.server")
 
@@ -185,24 +194,9 @@ def _describe_validation(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts[:5])
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
-    settings = settings or Settings()
-    served = settings.server.served_model_name or engine.info.name
-    accepted_names = {served, engine.info.name, settings.model.name}
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        log.info(
-            "engine started: strategy=%s lanes=%s",
-            engine.cfg.strategy.value,
-            ",".join(engine.lane_labels),
-        )
-        yield
-        await engine.stop(timeout=settings.server.drain_timeout_s)
-        log.info("engine stopped")
-
+def new_app(settings: Settings, lifespan: Any) -> FastAPI:
+    """A FastAPI app with what every lenbatch server shares: CORS, the API-key and body-size
+    guard, and error handlers that answer in OpenAI's shape without echoing request content."""
     app = FastAPI(title="lenbatch", version="0.1.0", lifespan=lifespan)
 
     if settings.server.cors_origins:
@@ -239,6 +233,29 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(LenbatchError)
     async def on_lenbatch_error(request: Request, exc: LenbatchError) -> JSONResponse:
         return error_response(exc)
+
+    return app
+
+
+def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
+    settings = settings or Settings()
+    served = settings.server.served_model_name or engine.info.name
+    accepted_names = {served, engine.info.name, settings.model.name}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info(
+            "engine started: strategy=%s lanes=%s",
+            engine.cfg.strategy.value,
+            ",".join(engine.lane_labels),
+        )
+        yield
+        await engine.stop(timeout=settings.server.drain_timeout_s)
+        log.info("engine stopped")
+
+    app = new_app(settings, lifespan)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -391,6 +408,19 @@ def _token_ids(
     return ids
 
 
+class Drainable(Protocol):
+    """What `DrainingServer` needs from an engine (embedding or generation)."""
+
+    @property
+    def unanswered(self) -> int:
+        """Admitted requests not answered yet."""
+        ...
+
+    async def drain(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests; answer every admitted one within `timeout` seconds."""
+        ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the engine before uvicorn's own shutdown begins.
 
@@ -400,7 +430,7 @@ class DrainingServer(uvicorn.Server):
     new requests get 503 `shutting_down`, which load balancers treat as "go elsewhere".
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Drainable, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
@@ -424,8 +454,13 @@ class DrainingServer(uvicorn.Server):
 
 def serve(engine: Engine, settings: Settings) -> None:
     """Serve `engine` over HTTP until SIGTERM or Ctrl-C, then drain and exit."""
+    serve_app(create_app(engine, settings), engine, settings)
+
+
+def serve_app(app: FastAPI, engine: Drainable, settings: Settings) -> None:
+    """Serve `app` (whose lifespan starts `engine`) until SIGTERM or Ctrl-C, drain, exit."""
     config = uvicorn.Config(
-        create_app(engine, settings),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from lenbatch.config import Settings, Strategy, load_settings
+from lenbatch.config import DecodeMode, Settings, Strategy, load_settings
 
 log = logging.getLogger("lenbatch")
 
@@ -32,8 +32,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--model",
-        help="'minilm' (bundled all-MiniLM-L6-v2, the default) or a "
-        "path to a local Hugging Face model folder",
+        help="'minilm' (bundled all-MiniLM-L6-v2, the default), 'smollm2' (the demo LLM, "
+        "SmolLM2-135M-Instruct), a path to a local Hugging Face model folder, or a .gguf file. "
+        "Causal LMs (config.json architectures *ForCausalLM / *LMHeadModel) are served with "
+        "/v1/completions and /v1/chat/completions, other models with /v1/embeddings",
     )
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml)")
     p.add_argument(
@@ -56,6 +58,22 @@ def register(sub: Any) -> None:
         "--max-batch-tokens",
         type=int,
         help="batch token budget: size x padded length (default 8192)",
+    )
+    g = p.add_argument_group("text generation (causal LMs)")
+    g.add_argument(
+        "--decode-mode",
+        choices=[m.value for m in DecodeMode],
+        help="static per-bucket batches or continuous batching (default continuous)",
+    )
+    g.add_argument(
+        "--max-running",
+        type=int,
+        help="continuous: most sequences decoding at once (default 32)",
+    )
+    g.add_argument(
+        "--step-tokens",
+        type=int,
+        help="continuous: token budget per step; longer prefills are chunked (default 256)",
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
@@ -100,6 +118,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "max_wait_ms": args.max_wait_ms,
             "max_batch_tokens": args.max_batch_tokens,
         },
+        "generation": {
+            "mode": args.decode_mode,
+            "max_running": args.max_running,
+            "step_tokens": args.step_tokens,
+        },
         "server": {
             "host": args.host,
             "port": args.port,
@@ -124,13 +147,21 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.engine import Engine
     from lenbatch.lengthlog import LengthLog
     from lenbatch.runners import load_runner
+    from lenbatch.runners.causal import resolve_causal_model
     from lenbatch.server import serve
 
     m = settings.model
+    length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
+    causal = resolve_causal_model(m.name)
+    if causal is not None:
+        from lenbatch.server import serve_app
+
+        app, gen_engine = _llm_app(settings, causal, length_log)
+        serve_app(app, gen_engine, settings)
+        return 0
     runner = load_runner(
         m.name, device=m.device, max_length=m.max_length, torch_threads=m.torch_threads
     )
-    length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     engine = Engine(
         runner,
         settings.batching,
@@ -163,3 +194,39 @@ def run(args: argparse.Namespace) -> int:
         log.info("strategy %s", engine.cfg.strategy.value)
     serve(engine, settings)
     return 0
+
+
+def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
+    """Load a causal LM and build the generation app (OpenAI completions)."""
+    from lenbatch.generate.engine import GenerationEngine
+    from lenbatch.runners.causal import CausalLMRunner
+    from lenbatch.server_llm import create_llm_app
+
+    m = settings.model
+    log.info("loading causal LM %s from %s", ref.name, ref.gguf_file or ref.folder)
+    runner = CausalLMRunner(
+        ref.folder,
+        gguf_file=ref.gguf_file,
+        name=ref.name,
+        device=m.device,
+        max_length=m.max_length,
+        torch_threads=m.torch_threads,
+    )
+    engine = GenerationEngine(
+        runner,
+        settings.batching,
+        settings.admission,
+        settings.generation,
+        length_log=length_log,
+    )
+    log.info(
+        "model %s: context=%d decode=%s strategy=%s boundaries=%s%s chat_template=%s",
+        runner.info.name,
+        runner.info.max_length,
+        engine.mode,
+        engine.cfg.strategy.value,
+        list(engine.cfg.boundaries),
+        " (default, not fitted: run `lenbatch fit`)" if engine.uses_default_boundaries else "",
+        runner.has_chat_template,
+    )
+    return create_llm_app(engine, settings), engine

@@ -1,0 +1,101 @@
+"""Decode modes: which rows may be admitted now, and which unit of work runs next.
+
+Both modes take prefill batches from the same queues and scheduler (`lenbatch.scheduler`), so
+length bucketing, max wait and the token budget mean the same in both; they differ only here.
+
+* `static`: a scheduler batch is prefilled in one pass and decoded together until every row has
+  finished; rows that finish leave the batch (and its KV cache) at once, but nobody joins until
+  the batch is empty.
+* `continuous`: iteration-level scheduling. New batches are admitted whenever the running batch
+  has room (`max_running`); they are prefilled in chunks of at most `step_tokens` tokens minus the
+  running rows, alternating with decode steps, so a long prompt never stalls running streams for
+  more than one chunk; when its prefill is done a batch's rows join the running decode batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from lenbatch.config import DecodeMode, GenerationConfig
+from lenbatch.generate.core import DecodeCore, PrefillJob
+
+__all__ = ["ContinuousPolicy", "DecodePolicy", "StaticPolicy", "Unit", "make_policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One step of work: a prefill chunk of `cols` columns of `job`, or a decode step."""
+
+    kind: Literal["prefill", "decode"]
+    job: PrefillJob | None = None
+    cols: int = 0
+
+
+class DecodePolicy(Protocol):
+    """The rules of one decode mode."""
+
+    @property
+    def release_on_merge(self) -> bool:
+        """True when a batch frees its scheduler slot as soon as it joins the decode batch."""
+        ...
+
+    def capacity(self, core: DecodeCore) -> int:
+        """How many new sequences may be admitted now (0: do not ask the scheduler)."""
+        ...
+
+    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+        """The next unit to run (None when idle); `last` is the kind of the previous unit."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StaticPolicy:
+    """Static batches: admit only into an empty engine; prefill whole; decode to the end."""
+
+    max_batch: int
+    release_on_merge: bool = False
+
+    def capacity(self, core: DecodeCore) -> int:
+        """A full batch when nothing is running or waiting for prefill, else nothing."""
+        return self.max_batch if core.idle else 0
+
+    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+        """Prefill a waiting batch in one pass, else decode."""
+        if core.jobs:
+            job = core.jobs[0]
+            return Unit("prefill", job, job.remaining)
+        if core.running_rows:
+            return Unit("decode")
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuousPolicy:
+    """Continuous batching with chunked prefill under a per-step token budget."""
+
+    max_running: int
+    step_tokens: int
+    release_on_merge: bool = True
+
+    def capacity(self, core: DecodeCore) -> int:
+        """Free room in the running batch, counting rows already waiting for prefill."""
+        return max(0, self.max_running - core.running_rows - core.pending_rows)
+
+    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+        """Alternate prefill chunks and decode steps while both have work."""
+        if core.jobs and (not core.running_rows or last != "prefill"):
+            job = core.jobs[0]
+            budget = self.step_tokens - core.running_rows
+            cols = max(1, budget // job.rows)
+            return Unit("prefill", job, min(cols, job.remaining))
+        if core.running_rows:
+            return Unit("decode")
+        return None
+
+
+def make_policy(cfg: GenerationConfig, max_batch: int) -> DecodePolicy:
+    """The policy for `cfg.mode`; `max_batch` is the batching config's batch limit."""
+    if cfg.mode is DecodeMode.STATIC:
+        return StaticPolicy(max_batch)
+    return ContinuousPolicy(cfg.max_running, cfg.step_tokens)

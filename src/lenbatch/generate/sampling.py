@@ -1,0 +1,161 @@
+"""Choosing the next token, and turning generated tokens into text with stop strings.
+
+`SamplingParams` are a request's decoding options (OpenAI's names). `choose_tokens` picks one
+token per batch row: greedy rows take the argmax, sampled rows draw from their own seeded
+`torch.Generator`, so a request samples the same tokens whether it runs alone or in a batch.
+`TextTracker` detokenizes incrementally and finds stop strings, holding back text that might
+be the start of one so a stream never shows text that a later stop would cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "TextTracker", "choose_tokens", "make_generator", "mask_eos"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Decoding options of one request.
+
+    `temperature == 0` means greedy. `top_p` keeps the smallest set of most likely tokens whose
+    probability reaches `top_p`. `seed` makes sampling reproducible. `stop` strings end the text
+    (not included in it). `ignore_eos` keeps generating past end-of-sequence tokens until
+    `max_tokens` (benchmarks replaying a trace's output lengths need it). `min_tokens` keeps
+    end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the most likely token."""
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The request's own random generator (None for greedy requests)."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One next token per row of `logits` `[rows, vocab]`, each row by its own params."""
+    if logits.shape[0] != len(params):
+        raise RuntimeError(f"bug: {logits.shape[0]} logit rows for {len(params)} requests")
+    greedy = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            out.append(int(greedy[row]))
+            continue
+        probs = torch.softmax(logits[row].float() / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            # Keep a token while the mass before it is below top_p (the top token always stays).
+            keep = (cum - sorted_p) < p.top_p
+            sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+            pick = torch.multinomial(sorted_p, 1, generator=gen)
+            out.append(int(order[pick]))
+        else:
+            out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out
+
+
+def mask_eos(logits: torch.Tensor, rows: Sequence[int], eos_ids: frozenset[int]) -> None:
+    """Make end-of-sequence tokens unchoosable in `rows` of `logits` (in place)."""
+    if not rows or not eos_ids:
+        return
+    idx = torch.tensor(sorted(eos_ids), dtype=torch.long, device=logits.device)
+    for row in rows:
+        logits[row, idx] = float("-inf")
+
+
+class TextTracker:
+    """Incremental detokenization of one sequence, with stop-string detection.
+
+    `push(ids)` takes all generated ids so far and returns the new text that is safe to show.
+    Text that may be the start of a stop string, or an incomplete UTF-8 character, is held back
+    until it is decided. After a stop string is found, `stopped` is True and `text` ends before it.
+    """
+
+    __slots__ = ("_decode", "_longest", "_stop", "emitted", "stopped", "text")
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self.text = ""  # the decided text (ends before a stop string once stopped)
+        self.emitted = 0  # characters of `text` already returned
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        """New safe text after the generated ids became `ids`."""
+        if self.stopped:
+            return ""
+        text = self._decode(ids)
+        if self._stop:
+            start = max(0, self.emitted - self._longest)
+            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                self.text = text[: min(hits)]
+                self.stopped = True
+                return self._take(len(self.text))
+        self.text = text
+        safe = len(text)
+        while safe > self.emitted and text[safe - 1] == "\ufffd":
+            safe -= 1  # an incomplete multi-byte character: wait for its next token
+        safe -= self._held_for_stop(text[:safe])
+        return self._take(max(safe, self.emitted))
+
+    def flush(self) -> str:
+        """Everything not yet returned (the sequence has ended)."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return piece
+
+    def _held_for_stop(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for n in range(min(self._longest - 1, len(text) - self.emitted), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

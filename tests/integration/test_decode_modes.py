@@ -1,0 +1,171 @@
+"""Decode-mode behaviour: finished rows stop costing compute, static batches admit nobody until
+empty, continuous batching admits under its running cap, a poison prompt fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
+from lenbatch.errors import ModelFailed, Unavailable
+from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
+from tests.llm_reference import PROMPTS
+
+
+def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
+    batching = BatchingConfig(strategy="fifo", max_batch=8, max_wait_ms=20)
+    return GenerationEngine(runner, batching, generation=GenerationConfig(mode=mode, **gen))
+
+
+async def _drain(engine: GenerationEngine, seqs: list[Sequence]) -> list[Any]:
+    async def one(s: Sequence) -> Any:
+        try:
+            return [d async for d in engine.stream(s)]
+        except ModelFailed as exc:
+            return exc
+
+    return list(await asyncio.gather(*(one(s) for s in seqs)))
+
+
+async def test_finished_rows_leave_the_batch_and_its_cache(llama_runner: Any) -> None:
+    """Once a short request finishes, later decode steps run without its row, and the cache
+    narrows to the rows still running."""
+    engine = _engine(llama_runner, DecodeMode.STATIC)
+    rows: list[tuple[int, int]] = []
+    real_decode = engine.core.decode
+
+    def spy() -> Any:
+        kv = engine.core.running
+        if kv is not None:
+            rows.append((kv.rows, kv.width))
+        return real_decode()
+
+    engine.core.decode = spy  # type: ignore[method-assign]
+    long_prompt, short_prompt = llama_runner.tokenize([PROMPTS[4], PROMPTS[3]])
+    await engine.start()
+    try:
+        a = engine.submit(long_prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        b = engine.submit(
+            short_prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+        await _drain(engine, [a, b])
+    finally:
+        await engine.stop()
+    assert rows[0][0] == 2
+    assert rows[-1][0] == 1, "the finished row kept costing compute"
+    # Without the long prompt the cache is as wide as the short row's tokens so far.
+    assert rows[-1][1] == len(short_prompt) + 10
+
+
+async def test_static_batches_admit_nobody_until_empty(llama_runner: Any) -> None:
+    """In static mode a request arriving mid-decode waits for the whole batch to finish."""
+    engine = _engine(llama_runner, DecodeMode.STATIC)
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = llama_runner.tokenize(PROMPTS[:2])
+    await engine.start()
+    try:
+        first = engine.submit(prompts[0], p)
+        task = asyncio.create_task(_drain(engine, [first]))
+        while len(first.generated) < 2:
+            await asyncio.sleep(0.001)
+        late = engine.submit(prompts[1], p)
+        await _drain(engine, [late])
+        await task
+    finally:
+        await engine.stop()
+    assert late.timings.prefill_start >= first.timings.finished
+
+
+async def test_continuous_admits_at_most_max_running(llama_runner: Any) -> None:
+    """Continuous batching never runs more sequences than `max_running`."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS, max_running=3)
+    seen: list[int] = []
+    real_decode = engine.core.decode
+
+    def spy() -> Any:
+        seen.append(engine.core.running_rows)
+        return real_decode()
+
+    engine.core.decode = spy  # type: ignore[method-assign]
+    prompts = llama_runner.tokenize(PROMPTS)
+    await engine.start()
+    try:
+        p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        seqs = [engine.submit(x, p) for x in prompts]
+        out = await _drain(engine, seqs)
+    finally:
+        await engine.stop()
+    assert all(len(o) for o in out)
+    assert max(seen) == 3
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
+async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) -> None:
+    """A prompt the model raises on is isolated by bisecting its prefill batch; the other
+    requests of the batch are answered, and every request gets exactly one ending."""
+    prompts = llama_runner.tokenize(PROMPTS[:4])
+    poison = min(set(range(5, 512)) - {t for p in prompts for t in p})
+    engine = _engine(llama_runner, mode)
+    real_forward = llama_runner.forward
+
+    class Flaky:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(llama_runner, name)
+
+        def forward(self, ids: Any, *args: Any) -> Any:
+            if ids.shape[1] > 1 and (ids == poison).any():  # prefill only
+                raise RuntimeError("boom")
+            return real_forward(ids, *args)
+
+    engine.core.runner = Flaky()  # type: ignore[assignment]
+    prompts[2] = [*prompts[2][:3], poison, *prompts[2][3:]]
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    await engine.start()
+    try:
+        seqs = [engine.submit(x, p) for x in prompts]
+        out = await _drain(engine, seqs)
+    finally:
+        await engine.stop()
+    assert isinstance(out[2], ModelFailed)
+    assert [len(o) for i, o in enumerate(out) if i != 2] == [4, 4, 4]
+    assert not engine._open
+    assert engine.queues.inflight_total == 0
+
+
+async def test_drain_finishes_admitted_requests_and_refuses_new_ones(llama_runner: Any) -> None:
+    """Draining answers everything already admitted, then new requests get 503."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    prompts = llama_runner.tokenize(PROMPTS[:3])
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    await engine.start()
+    try:
+        seqs = [engine.submit(x, p) for x in prompts]
+        results = asyncio.ensure_future(_drain(engine, seqs))
+        await engine.drain(timeout=60)
+        assert engine.unanswered == 0
+        assert [s.finish_reason for s in seqs] == ["length"] * 3
+        assert [len(r) for r in await results] == [8, 8, 8]
+        with pytest.raises(Unavailable, match="shutting down"):
+            engine.submit(prompts[0], p)
+    finally:
+        await engine.stop()
+
+
+async def test_drain_timeout_ends_the_rest_with_503(llama_runner: Any) -> None:
+    """Requests still running when the drain timeout passes end with an explicit 503."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    prompt = llama_runner.tokenize(PROMPTS[:1])[0]
+    await engine.start()
+    try:
+        seq = engine.submit(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        while not seq.generated:
+            await asyncio.sleep(0.001)
+        await engine.drain(timeout=0.05)
+        with pytest.raises(Unavailable, match="drain timeout"):
+            async for _ in engine.stream(seq):
+                pass
+        assert engine.unanswered == 0
+    finally:
+        await engine.stop()

@@ -1,0 +1,254 @@
+"""The LLM server through real HTTP on loopback: the `openai` client's completions, chat and
+streaming; usage counts; stop strings; the TTFT breakdown; errors; client disconnects."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from lenbatch.config import BatchingConfig, GenerationConfig, Settings
+from lenbatch.generate import STAGES, GenerationEngine
+from lenbatch.server_llm import create_llm_app
+from tests.llm_reference import PROMPTS, reference_greedy
+
+
+class _Served:
+    def __init__(self, engine: GenerationEngine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self.runner: Any = engine.runner
+
+
+@pytest.fixture(scope="module")
+def served(llama_runner: Any) -> Iterator[_Served]:
+    """The tiny Llama behind a real uvicorn server on 127.0.0.1 (continuous batching)."""
+    settings = Settings.model_validate({"model": {"name": "tiny-llama"}})
+    engine = GenerationEngine(
+        llama_runner,
+        BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
+        generation=GenerationConfig(default_max_tokens=16),
+    )
+    app = create_llm_app(engine, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield _Served(engine, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _client(s: _Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _expected(s: _Served, prompt: str, n: int) -> tuple[list[int], list[int], str]:
+    ids = s.runner.tokenize([prompt])[0]
+    tokens = reference_greedy(s.runner, ids, n)
+    return ids, tokens, s.runner.decode(tokens)
+
+
+def test_openai_completion_matches_generate_and_counts_usage(served: _Served) -> None:
+    """A greedy completion's text and usage match generate() on the same prompt."""
+    ids, tokens, text = _expected(served, PROMPTS[0], 12)
+    out = _client(served).completions.create(
+        model="tiny-llama", prompt=PROMPTS[0], max_tokens=12, temperature=0
+    )
+    assert out.choices[0].text == text
+    assert out.choices[0].finish_reason == ("length" if len(tokens) == 12 else "stop")
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(tokens)
+    assert out.usage.total_tokens == len(ids) + len(tokens)
+
+
+def test_openai_streaming_yields_the_same_text(served: _Served) -> None:
+    """`stream=True` delivers, chunk by chunk, exactly the non-streaming text and usage."""
+    client = _client(served)
+    kwargs: dict[str, Any] = {"prompt": PROMPTS[4], "max_tokens": 14, "temperature": 0}
+    whole = client.completions.create(model="tiny-llama", **kwargs)
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama", stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 2, "the stream should arrive in several chunks"
+    assert "".join(texts) == whole.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finals[:-1])
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_openai_chat_uses_the_chat_template(served: _Served) -> None:
+    """Chat completions render messages with the tokenizer's template, then generate."""
+    messages = [{"role": "user", "content": "How many bolts in total?"}]
+    prompt = served.runner.chat_prompt(messages)
+    tokens = reference_greedy(served.runner, prompt, 10)
+    client = _client(served)
+    out = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+    )
+    assert out.choices[0].message.content == served.runner.decode(tokens)
+    assert out.usage is not None and out.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_stop_string_ends_the_text_before_it(served: _Served) -> None:
+    """A stop string cuts the text where it first appears, finish_reason `stop`, also when
+    streaming (text that might start the stop string is held back)."""
+    client = _client(served)
+    full = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], max_tokens=20, temperature=0, extra_body={}
+    )
+    text = full.choices[0].text
+    assert len(text) > 6, "need a longer greedy text to pick a stop string from"
+    stop = text[4:7]
+    cut = text[: text.index(stop)]
+    out = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == cut
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_ignore_eos_generates_exactly_max_tokens(served: _Served) -> None:
+    """`ignore_eos` (as in vLLM) keeps going past end-of-sequence to max_tokens."""
+    out = _client(served).completions.create(
+        model="tiny-llama",
+        prompt=PROMPTS[3],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 30
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_ttft_stages_sum_to_ttft(served: _Served) -> None:
+    """Per request and in /metrics, the TTFT stages add up to the TTFT, which is within the
+    time the client waited for its first streamed token."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        sent = time.monotonic()
+        first_at = None
+        final = None
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if first_at is None:
+                    first_at = time.monotonic()
+                obj = json.loads(line[6:])
+                if "lenbatch" in obj:
+                    final = obj["lenbatch"]["timings"]
+        assert first_at is not None and final is not None
+        client_ttft_ms = (first_at - sent) * 1000
+        stages = final["stages_ms"]
+        assert set(stages) == set(STAGES)
+        assert all(v >= 0 for v in stages.values())
+        assert sum(stages.values()) == pytest.approx(final["ttft_ms"], abs=0.01)
+        assert 0 < final["ttft_ms"] <= client_ttft_ms
+        assert stages["prefill"] > 0
+        metrics = http.get("/metrics").text
+    sums = _prom_sums(metrics)
+    stage_total = sum(sums[f'lenbatch_llm_ttft_stage_seconds_sum{{stage="{s}"}}'] for s in STAGES)
+    assert stage_total == pytest.approx(sums["lenbatch_llm_ttft_seconds_sum"], rel=1e-9)
+    assert sums["lenbatch_llm_ttft_seconds_count"] >= 1
+    assert (
+        "lenbatch_llm_kv_cache_peak_bytes" in sums and sums["lenbatch_llm_kv_cache_peak_bytes"] > 0
+    )
+
+
+def _prom_sums(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_kv_cache_accounted_apart_from_weights(served: _Served) -> None:
+    """/stats reports KV-cache bytes (exact tensor sizes) apart from weight bytes."""
+    _client(served).completions.create(model="tiny-llama", prompt=PROMPTS[5], max_tokens=8)
+    stats = httpx.get(served.url + "/stats", timeout=30).json()
+    runner = served.runner
+    cfg = runner.model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert stats["kv_cache"]["peak_bytes"] >= per_token * 8
+    assert stats["kv_cache"]["peak_bytes"] % per_token == 0
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert stats["memory"]["weights_mb"] == pytest.approx(weights / 2**20)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt": "hi", "max_tokens": 100_000}, 413, "context of 512 tokens"),
+        ({"prompt": "hi", "n": 2}, 400, "only n=1"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
+        ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [999_999], "max_tokens": 3}, 400, "token ids outside"),
+        ({"prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ],
+)
+def test_bad_requests_get_clear_errors(
+    served: _Served, body: dict[str, Any], status: int, needle: str
+) -> None:
+    """Invalid requests are refused with OpenAI-shaped errors that say what is wrong."""
+    resp = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == status
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_the_sequence(served: _Served) -> None:
+    """A client that leaves mid-stream stops costing compute: its sequence leaves the batch."""
+    engine = served.engine
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 30
+    while (engine.core.running_rows or engine._open) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.core.running_rows == 0
+    assert not engine._open
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200

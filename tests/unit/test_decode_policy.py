@@ -1,0 +1,78 @@
+"""Decode policies: who may be admitted, and which unit runs next."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from lenbatch.generate.policy import ContinuousPolicy, StaticPolicy
+
+
+@dataclass
+class _Job:
+    rows: int
+    remaining: int
+
+
+@dataclass
+class _Core:
+    """The three facts a policy reads from the decode core."""
+
+    jobs: deque[Any] = field(default_factory=deque)
+    running_rows: int = 0
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(j.rows for j in self.jobs)
+
+    @property
+    def idle(self) -> bool:
+        return not self.jobs and not self.running_rows
+
+
+def test_static_admits_only_into_an_empty_engine() -> None:
+    """Static batching takes a new batch only when nothing runs or waits for prefill."""
+    p = StaticPolicy(max_batch=8)
+    assert p.capacity(_Core()) == 8  # type: ignore[arg-type]
+    assert p.capacity(_Core(running_rows=1)) == 0  # type: ignore[arg-type]
+    assert p.capacity(_Core(jobs=deque([_Job(2, 10)]))) == 0  # type: ignore[arg-type]
+
+
+def test_static_prefills_whole_then_decodes() -> None:
+    """A waiting batch is prefilled in one pass; otherwise the running batch decodes."""
+    p = StaticPolicy(max_batch=8)
+    job = _Job(3, 40)
+    unit = p.next_unit(_Core(jobs=deque([job])), None)  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "prefill" and unit.cols == 40
+    unit = p.next_unit(_Core(running_rows=3), "prefill")  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "decode"
+    assert p.next_unit(_Core(), None) is None  # type: ignore[arg-type]
+
+
+def test_continuous_capacity_counts_running_and_pending_rows() -> None:
+    """Room = max_running minus rows decoding minus rows admitted but not yet prefilled."""
+    p = ContinuousPolicy(max_running=10, step_tokens=64)
+    core = _Core(jobs=deque([_Job(3, 5)]), running_rows=4)
+    assert p.capacity(core) == 3  # type: ignore[arg-type]
+    assert p.capacity(_Core(running_rows=12)) == 0  # type: ignore[arg-type]
+
+
+def test_continuous_chunks_prefill_under_the_step_budget_and_alternates() -> None:
+    """A chunk gets the step budget minus the running rows, split over the job's rows, and
+    decode steps run between chunks while sequences are decoding."""
+    p = ContinuousPolicy(max_running=32, step_tokens=64)
+    core = _Core(jobs=deque([_Job(4, 100)]), running_rows=8)
+    unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "prefill" and unit.cols == (64 - 8) // 4
+    after = p.next_unit(core, "prefill")  # type: ignore[arg-type]
+    assert after is not None and after.kind == "decode"
+    alone = p.next_unit(_Core(jobs=deque([_Job(4, 100)])), "prefill")  # type: ignore[arg-type]
+    assert alone is not None and alone.kind == "prefill" and alone.cols == 16
+
+
+def test_continuous_chunk_is_at_least_one_column() -> None:
+    """Even when running rows use the whole budget, prefill still advances."""
+    p = ContinuousPolicy(max_running=64, step_tokens=8)
+    unit = p.next_unit(_Core(jobs=deque([_Job(4, 9)]), running_rows=20), "decode")  # type: ignore[arg-type]
+    assert unit is not None and unit.cols == 1

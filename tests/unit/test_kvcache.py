@@ -1,0 +1,70 @@
+"""KV-cache batch surgery: right alignment, merge with left padding, row selection, trimming."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
+
+HEADS, DIM, LAYERS = 2, 3, 2
+
+
+def _batch(lengths: list[int], start: float) -> KVBatch:
+    """A right-aligned batch whose key at (row, col) holds a value unique to that token."""
+    width = max(lengths)
+    cache = DynamicCache()
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    keys = torch.zeros((len(lengths), HEADS, width, DIM))
+    for r, n in enumerate(lengths):
+        mask[r, width - n :] = 1
+        for j in range(n):
+            keys[r, :, width - n + j, :] = start + 100 * r + j + 1
+    for layer in range(LAYERS):
+        cache.update(keys.clone(), keys.clone() * -1, layer)
+    return KVBatch(cache, mask, torch.tensor(lengths), torch.tensor([7] * len(lengths)))
+
+
+def _rows(b: KVBatch) -> list[list[float]]:
+    """Each row's real keys (head 0, dim 0, layer 0), in order."""
+    k = b.cache.layers[0].keys
+    return [k[r, 0, b.mask[r] == 1, 0].tolist() for r in range(b.rows)]
+
+
+def test_merge_left_pads_the_narrower_batch_and_keeps_every_row() -> None:
+    """Merging a wide and a narrow batch keeps each row's tokens right-aligned and masked."""
+    a, b = _batch([5, 2], 0), _batch([3], 1000)
+    before = _rows(a) + _rows(b)
+    m = merge(a, b)
+    assert m.rows == 3 and m.width == 5
+    assert _rows(m) == before
+    assert m.mask.tolist()[2] == [0, 0, 1, 1, 1]
+    assert m.next_pos.tolist() == [5, 2, 3]
+    assert torch.equal(m.cache.layers[1].values, -m.cache.layers[1].keys)
+
+
+def test_select_drops_rows_and_trims_all_padding_columns() -> None:
+    """Removing the longest row shrinks the cache to the longest remaining row."""
+    b = _batch([6, 2, 3], 0)
+    keep = _rows(b)[1:]
+    full = b.nbytes()
+    b.select([1, 2])
+    assert b.width == 3 and b.rows == 2
+    assert _rows(b) == keep
+    assert b.nbytes() == full * 2 * 3 // (3 * 6)
+    assert b.real_tokens == 5
+
+
+def test_decode_step_inputs_extend_mask_and_use_each_rows_position() -> None:
+    """A step feeds each row's last token at its own next position with one more column."""
+    b = _batch([4, 1], 0)
+    ids, mask, pos = b.step_inputs()
+    assert ids.tolist() == [[7], [7]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert pos.tolist() == [[4], [1]]
+
+
+def test_cache_bytes_counts_keys_and_values_of_every_layer() -> None:
+    """Bytes = 2 tensors x layers x batch x heads x width x dim x 4 (float32)."""
+    b = _batch([4, 2], 0)
+    assert cache_bytes(b.cache) == 2 * LAYERS * 2 * HEADS * 4 * DIM * 4
