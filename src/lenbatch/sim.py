@@ -181,9 +181,10 @@ def simulate(
     outcome = [_PENDING] * n  # set here for rejections and expiries; OK is filled in at the end
     lane_of_req = [-1] * n
     rejections: dict[str, int] = {}
-    # The batch log, one entry per executed batch, and its members in execution order.
-    log: list[tuple[int, float, float, int, int]] = []  # (lane, start, exec s, pad, size)
-    members: list[int] = []
+    # The batch log, one entry per executed batch: (lane, start, exec s, padded length, size)
+    # and the batch's requests.
+    log: list[tuple[int, float, float, int, int]] = []
+    ran: list[list[Request]] = []
 
     queues = Queues(cfg)
     adm = Admission(adm_cfg, cfg, arr_list[0] if n else 0.0)
@@ -202,7 +203,7 @@ def simulate(
     # With one runner the peak is the largest batch; with several, sum what overlaps.
     track_memory = runners_free > 1
     log_append = log.append
-    members_extend = members.extend
+    ran_append = ran.append
     running: list[tuple[float, int, int, float]] = []  # heap of (end, seq, lane, act. bytes)
     waiting: deque[Batch] = deque()  # emitted, collated, waiting for a runner slot (FIFO)
     deadlines: deque[tuple[float, Request]] = deque()  # (deadline, request), by deadline
@@ -238,7 +239,7 @@ def simulate(
         size = len(reqs)
         dt = latency(size, pad)
         log_append((batch.lane, now, dt, pad, size))
-        members_extend([r.handle for r in reqs])
+        ran_append(reqs)
         ab = 0.0
         if track_memory:
             ab = act_bytes(size, pad)
@@ -317,23 +318,24 @@ def simulate(
 
     # Members of executed batches all completed: a running request never expires.
     out = np.asarray(outcome, dtype=np.int64)
-    idx = np.asarray(members, dtype=np.int64)
+    idx = np.asarray([r.handle for reqs in ran for r in reqs], dtype=np.int64)
     if (out[idx] != _PENDING).any():
         raise RuntimeError("bug: a request ran in a batch after it was answered")
     out[idx] = OUTCOME_OK
     if (out == _PENDING).any():
         raise RuntimeError(f"bug: {int((out == _PENDING).sum())} requests left unanswered")
     if not track_memory:
-        peak_active = max((act_bytes(b, p) for b, p in {(e[4], e[3]) for e in log}), default=0.0)
-    cols = list(zip(*log, strict=True)) or [(), (), (), (), ()]
-    lanes_b = np.asarray(cols[0], dtype=np.int64)
-    b_exec = np.asarray(cols[2], dtype=np.float64)
-    pads = np.asarray(cols[3], dtype=np.int64)
-    sizes = np.asarray(cols[4], dtype=np.int64)
+        shapes = {(e[4], e[3]) for e in log}
+        peak_active = max((act_bytes(b, p) for b, p in shapes), default=0.0)
+    table = np.asarray(log, dtype=np.float64).reshape(-1, 5)
+    lanes_b = table[:, 0].astype(np.int64)
+    b_exec = table[:, 2]
+    pads = table[:, 3].astype(np.int64)
+    sizes = table[:, 4].astype(np.int64)
     which = np.repeat(np.arange(len(sizes)), sizes)  # batch of each member
     st = np.full(n, np.nan)
     ex = np.full(n, np.nan)
-    st[idx] = np.asarray(cols[1], dtype=np.float64)[which]
+    st[idx] = table[:, 1][which]
     ex[idx] = b_exec[which]
     real_b = np.bincount(which, weights=lengths[idx], minlength=len(sizes))
     k = len(cfg.lanes)
