@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv serve test lint typecheck unit format bench clean
+.PHONY: venv serve test lint typecheck unit format docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,8 @@ serve: $(STAMP)
 test: lint typecheck unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench docs
+	$(BIN)/ruff format --check src tests bench docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -45,3 +45,7 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build src/*.egg-info
+
+## regenerate generated documentation
+docs: $(STAMP)
+	$(BIN)/python docs/gen_config.py > docs/configuration.md

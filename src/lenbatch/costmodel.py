@@ -33,6 +33,8 @@ class CostModel:
     model: str = ""
     device: str = "cpu"
     fit_error: float = math.nan  # relative RMS error of the latency fit on its own points
+    memory_fit_error: float = math.nan  # RMS error of the memory fit / mean measured activation
+    memory_method: str = ""  # how activation memory was measured (CUDA allocator, CPU RSS)
     points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
 
     def latency(self, batch: int, padded_len: int) -> float:

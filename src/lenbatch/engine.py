@@ -68,6 +68,7 @@ class _Ticket:
     timer: asyncio.TimerHandle | None = None
     started: float | None = None  # clock time its batch started executing
     exec_s: float | None = None
+    answered: bool = False  # counted, logged and metered exactly once
 
 
 class Engine:
@@ -222,9 +223,10 @@ class Engine:
         try:
             return list(await asyncio.gather(*(r.handle.future for r in requests)))
         finally:
-            # On error or cancellation: nobody wants the siblings any more.
+            # On error or cancellation (gather cancels the futures itself): nobody wants the
+            # unanswered siblings any more; take them out of the queue.
             for r in requests:
-                if not r.handle.future.done():
+                if not r.handle.answered:
                     self._cancel(r)
 
     # ------------------------------------------------------------------ the loop
@@ -351,14 +353,20 @@ class Engine:
 
     def _answer(self, r: Request, vec: Vector) -> None:
         t: _Ticket = r.handle
-        if t.future.done():
+        if t.answered:
+            return
+        if t.future.done():  # cancelled by its caller while it ran
+            self._finish(r, RequestStatus.CANCELLED)
             return
         t.future.set_result(vec)
         self._finish(r, RequestStatus.OK)
 
     def _fail(self, r: Request, err: LenbatchError) -> None:
         t: _Ticket = r.handle
-        if t.future.done():
+        if t.answered:
+            return
+        if t.future.done():  # cancelled by its caller
+            self._finish(r, RequestStatus.CANCELLED)
             return
         t.future.set_exception(err)
         # Retrieved by gather; if the caller has gone, do not warn about it.
@@ -369,13 +377,14 @@ class Engine:
     def _cancel(self, r: Request) -> None:
         t: _Ticket = r.handle
         self.queues.remove(r)
-        if not t.future.done():
+        if not t.answered:
             t.future.cancel()
             self._finish(r, RequestStatus.CANCELLED)
             self._kick()
 
     def _finish(self, r: Request, status: RequestStatus) -> None:
         t: _Ticket = r.handle
+        t.answered = True
         if t.timer is not None:
             t.timer.cancel()
         self._outstanding -= 1
@@ -396,7 +405,7 @@ class Engine:
 
     def _on_deadline(self, r: Request) -> None:
         t: _Ticket = r.handle
-        if t.future.done() or t.started is not None:
+        if t.answered or t.started is not None:
             return  # answered, or already running: let it finish
         self.queues.remove(r)
         self._fail(r, self._expired_error(r))

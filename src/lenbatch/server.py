@@ -203,7 +203,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         if body.model is not None and body.model not in accepted_names:
             return _error(
                 404,
-                f"model {body.model!r} is not served here; use {served!r}",
+                f"the requested model is not served here; use {served!r}",
                 "invalid_request_error",
                 "model_not_found",
             )

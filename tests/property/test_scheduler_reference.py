@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import reference_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +11,7 @@ from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
 from lenbatch.queues import Queues
 from lenbatch.request import Request
 from lenbatch.scheduler import schedule
+from tests.property import reference_scheduler
 
 
 @dataclass

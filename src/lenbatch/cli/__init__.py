@@ -13,7 +13,7 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "simulate")
+COMMANDS = ("serve", "analyze", "fit", "profile", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:

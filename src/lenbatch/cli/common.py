@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lenbatch.trace import Trace, load_trace, map_trace
+from lenbatch.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
 __all__ = [
     "add_batching_options",
@@ -58,21 +58,41 @@ def batching_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
 def add_trace_options(p: argparse.ArgumentParser) -> None:
     """Add TRACE and the explicit mapping options (applied in this order: window, length
     scale, max length, rate scale, limit)."""
     p.add_argument(
         "trace",
         metavar="TRACE",
-        help="trace file, or a bundled trace: azure-conv, mooncake, sharegpt",
+        help="trace file (Azure CSV, Mooncake JSONL, ShareGPT CSV, a `serve --length-log` "
+        "file, or any CSV/JSONL with --length-column), or a bundled trace: azure-conv, "
+        "mooncake, sharegpt",
     )
-    g = p.add_argument_group("trace mapping (reported with the results)")
-    g.add_argument(
+    c = p.add_argument_group("trace columns (for a generic CSV/JSONL)")
+    c.add_argument(
         "--format",
         dest="trace_format",
+        choices=TRACE_FORMATS,
         default=None,
-        help="trace format (default: detected from the file)",
+        help="trace format (default: detected from the first line)",
     )
+    c.add_argument("--length-column", metavar="NAME", help="column with input token counts")
+    c.add_argument(
+        "--arrival-column",
+        metavar="NAME",
+        help="column with arrival times (numbers in --time-unit, or ISO date-times)",
+    )
+    c.add_argument("--output-column", metavar="NAME", help="column with output token counts")
+    c.add_argument(
+        "--time-unit",
+        choices=sorted(_TIME_UNITS),
+        default="s",
+        help="unit of numeric arrival times (default s)",
+    )
+    g = p.add_argument_group("trace mapping (reported with the results)")
     g.add_argument(
         "--length-scale",
         type=float,
@@ -91,7 +111,7 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
         "--overflow",
         choices=["clip", "drop", "keep"],
         default="clip",
-        help="inputs over --max-length: clip to N (they land in the overlong lane), "
+        help="inputs over --max-length: clip to N (they land in the top lane), "
         "drop them, or keep them (to test rejection) (default clip)",
     )
     g.add_argument(
@@ -126,7 +146,17 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
 
 def trace_from_args(args: argparse.Namespace) -> Trace:
     """Load and map the trace the options describe."""
-    trace = load_trace(args.trace, args.trace_format)
+    columns = None
+    if args.length_column:
+        columns = ColumnMap(
+            length=args.length_column,
+            arrival=args.arrival_column,
+            output=args.output_column,
+            time_unit=_TIME_UNITS[args.time_unit],
+        )
+    elif args.arrival_column or args.output_column:
+        raise ValueError("--arrival-column and --output-column need --length-column too")
+    trace = load_trace(args.trace, args.trace_format, columns=columns)
     return map_trace(
         trace,
         length_scale=args.length_scale,

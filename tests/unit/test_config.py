@@ -1,0 +1,96 @@
+"""Config: validation, merging of file, environment and flags, resolution for the scheduler."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from lenbatch.config import BatchingConfig, Strategy, load_settings
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    """Flags beat environment, environment beats the file, the file beats defaults."""
+    f = tmp_path / "c.toml"
+    f.write_text(
+        '[batching]\nstrategy = "fifo"\nmax_batch = 8\nmax_wait_ms = 3\n[server]\nport = 9000\n'
+    )
+    env = {"LENBATCH_BATCHING__MAX_BATCH": "16", "LENBATCH_SERVER__PORT": "9001"}
+    s = load_settings(f, env, {"server": {"port": 9002, "host": None}})
+    assert s.batching.strategy is Strategy.FIFO
+    assert s.batching.max_wait_ms == 3
+    assert s.batching.max_batch == 16
+    assert s.server.port == 9002
+    assert s.server.host == "127.0.0.1"
+
+
+def test_yaml_and_list_env(tmp_path: Path) -> None:
+    """YAML files work, and list fields come from comma-separated variables."""
+    f = tmp_path / "c.yaml"
+    f.write_text("batching:\n  boundaries: [8, 16]\n")
+    s = load_settings(f, {"LENBATCH_BATCHING__BOUNDARIES": "32,64,128"})
+    assert s.batching.boundaries == (32, 64, 128)
+    assert load_settings(f, {}).batching.boundaries == (8, 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"boundaries": (64, 32)}, "strictly increasing"),
+        ({"boundaries": ()}, "must not be empty"),
+        ({"boundaries": (0, 32)}, "positive"),
+        ({"boundaries": (32, 64), "bucket_max_batch": (8,)}, "one value per boundary"),
+        ({"max_batch": 0}, "greater than or equal to 1"),
+        ({"strategy": "bogus"}, "static"),
+    ],
+)
+def test_invalid_values_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    """Bad values raise errors that name the values."""
+    with pytest.raises(ValidationError, match=message):
+        BatchingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_keys_and_sections_are_errors(tmp_path: Path) -> None:
+    """A typo in a config file or variable is an error, not silently ignored."""
+    f = tmp_path / "c.toml"
+    f.write_text("[batching]\nmax_batchh = 3\n")
+    with pytest.raises(ValidationError, match="max_batchh"):
+        load_settings(f, {})
+    with pytest.raises(ValueError, match="unknown section"):
+        load_settings(None, {"LENBATCH_BATCHIN__MAX_BATCH": "3"})
+
+
+def test_resolve_bucketed_lanes() -> None:
+    """Bucketed resolves to one lane per boundary plus an overlong lane with its quota."""
+    cfg = BatchingConfig(
+        boundaries=(32, 64),
+        bucket_max_batch=(64, 16),
+        overlong_max_batch=4,
+        overlong_max_wait_ms=40,
+        overlong_max_inflight=2,
+        max_wait_ms=5,
+    )
+    sc = cfg.resolve(256)
+    assert [lane.upper for lane in sc.lanes] == [32, 64, 256]
+    assert [lane.max_batch for lane in sc.lanes] == [64, 16, 4]
+    assert [lane.max_wait for lane in sc.lanes] == [0.005, 0.005, 0.04]
+    assert [lane.quota for lane in sc.lanes] == [None, None, 2]
+    assert sc.slots == cfg.max_concurrent_batches + cfg.prefetch_batches
+    with pytest.raises(ValueError, match="exceeds the model's max length"):
+        BatchingConfig(boundaries=(300,)).resolve(256)
+
+
+def test_resolve_single_queue_strategies() -> None:
+    """static pads to the model limit; fifo and sorted pad to the batch's longest."""
+    for strategy, pad in (("static", 256), ("fifo", None), ("sorted", None)):
+        sc = BatchingConfig(strategy=Strategy(strategy)).resolve(256)
+        assert len(sc.lanes) == 1 and sc.lanes[0].pad_to == pad
+
+
+def test_configuration_docs_are_current() -> None:
+    """docs/configuration.md is what docs/gen_config.py renders from the code now."""
+    root = Path(__file__).resolve().parents[2]
+    render = runpy.run_path(str(root / "docs" / "gen_config.py"))["render"]
+    assert (root / "docs" / "configuration.md").read_text() == render(), "run `make docs`"
