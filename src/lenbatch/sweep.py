@@ -29,6 +29,7 @@ from lenbatch.sim import SimRun, simulate
 from lenbatch.trace import Trace, map_trace
 
 __all__ = [
+    "Probe",
     "StrategySweep",
     "SweepPoint",
     "SweepResult",
@@ -162,6 +163,35 @@ def default_rates(base_rps: float, oracle_rps: float) -> list[float]:
 Progress = Callable[[str, SweepPoint], None]
 
 
+@dataclass(frozen=True)
+class Probe:
+    """Runs one batching config on the trace at one rate scale and judges the result."""
+
+    trace: Trace
+    cost: CostModel
+    admission: AdmissionConfig | None
+    slo_p95_ms: float
+    max_length: int = 256
+    truncate: bool = False
+
+    @property
+    def base_rps(self) -> float:
+        """The trace's offered rate at scale 1."""
+        return offered_rps(self.trace)
+
+    def __call__(self, batching: BatchingConfig, scale: float) -> SweepPoint:
+        """Simulate at `scale` x the trace's rate; the point and its verdict."""
+        t = map_trace(self.trace, rate_scale=scale) if scale != 1.0 else self.trace
+        run: SimRun = simulate(
+            t, self.cost, batching, self.admission, max_length=self.max_length,
+            truncate=self.truncate,
+        )  # fmt: skip
+        summ = run.summary()
+        offered = self.base_rps * scale
+        ok, why = judge(summ, offered, self.slo_p95_ms)
+        return SweepPoint(scale, offered, summ, ok, why)
+
+
 def sweep(
     trace: Trace,
     cost: CostModel,
@@ -180,7 +210,8 @@ def sweep(
     bisect `refine` times below the first unsustainable rate above the best sustainable one."""
     if slo_p95_ms <= 0:
         raise ValueError(f"the SLO must be positive, got {slo_p95_ms} ms")
-    base = offered_rps(trace)
+    probe = Probe(trace, cost, admission, slo_p95_ms, max_length, truncate)
+    base = probe.base_rps
     orc = oracle_for(trace.input_lengths, cost, batching, max_length=max_length, truncate=truncate)
     grid = sorted(rates) if rates else default_rates(base, orc.throughput_rps)
     if any(r <= 0 for r in grid):
@@ -191,11 +222,7 @@ def sweep(
         ss = StrategySweep(strategy.value)
 
         def run(scale: float, s: StrategySweep = ss, c: BatchingConfig = cfg) -> SweepPoint:
-            t = map_trace(trace, rate_scale=scale) if scale != 1.0 else trace
-            res: SimRun = simulate(t, cost, c, admission, max_length=max_length, truncate=truncate)
-            summ = res.summary()
-            ok, why = judge(summ, base * scale, slo_p95_ms)
-            p = SweepPoint(scale, base * scale, summ, ok, why)
+            p = probe(c, scale)
             s.points.append(p)
             if progress is not None:
                 progress(s.strategy, p)
