@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,7 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 _PENDING = -1
+_handle = attrgetter("handle")
 _INF = math.inf
 _MB = 1024 * 1024
 
@@ -181,9 +185,9 @@ def simulate(
     outcome = [_PENDING] * n  # set here for rejections and expiries; OK is filled in at the end
     lane_of_req = [-1] * n
     rejections: dict[str, int] = {}
-    # The batch log, one entry per executed batch: (lane, start, exec s, padded length, size)
-    # and the batch's requests.
-    log: list[tuple[int, float, float, int, int]] = []
+    # The batch log: five doubles per executed batch (lane, start, exec s, padded length,
+    # size), read back as a numpy array without conversion; and each batch's requests.
+    log = array("d")
     ran: list[list[Request]] = []
 
     queues = Queues(cfg)
@@ -202,7 +206,7 @@ def simulate(
     runners_free = batching.max_concurrent_batches
     # With one runner the peak is the largest batch; with several, sum what overlaps.
     track_memory = runners_free > 1
-    log_append = log.append
+    log_extend = log.extend
     ran_append = ran.append
     running: list[tuple[float, int, int, float]] = []  # heap of (end, seq, lane, act. bytes)
     waiting: deque[Batch] = deque()  # emitted, collated, waiting for a runner slot (FIFO)
@@ -238,7 +242,7 @@ def simulate(
         runners_free -= 1
         size = len(reqs)
         dt = latency(size, pad)
-        log_append((batch.lane, now, dt, pad, size))
+        log_extend((batch.lane, now, dt, pad, size))
         ran_append(reqs)
         ab = 0.0
         if track_memory:
@@ -318,20 +322,22 @@ def simulate(
 
     # Members of executed batches all completed: a running request never expires.
     out = np.asarray(outcome, dtype=np.int64)
-    idx = np.asarray([r.handle for reqs in ran for r in reqs], dtype=np.int64)
+    idx = np.fromiter(map(_handle, chain.from_iterable(ran)), dtype=np.int64)
     if (out[idx] != _PENDING).any():
         raise RuntimeError("bug: a request ran in a batch after it was answered")
     out[idx] = OUTCOME_OK
     if (out == _PENDING).any():
         raise RuntimeError(f"bug: {int((out == _PENDING).sum())} requests left unanswered")
-    if not track_memory:
-        shapes = {(e[4], e[3]) for e in log}
-        peak_active = max((act_bytes(b, p) for b, p in shapes), default=0.0)
-    table = np.asarray(log, dtype=np.float64).reshape(-1, 5)
+    table = np.frombuffer(log, dtype=np.float64).reshape(-1, 5)
     lanes_b = table[:, 0].astype(np.int64)
     b_exec = table[:, 2]
     pads = table[:, 3].astype(np.int64)
     sizes = table[:, 4].astype(np.int64)
+    if not track_memory:  # one runner: the peak is the largest single batch
+        shapes = np.unique(sizes * (cfg.max_length + 1) + pads)
+        peak_active = max(
+            (act_bytes(*divmod(int(v), cfg.max_length + 1)) for v in shapes), default=0.0
+        )
     which = np.repeat(np.arange(len(sizes)), sizes)  # batch of each member
     st = np.full(n, np.nan)
     ex = np.full(n, np.nan)
