@@ -96,10 +96,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
-    trace = map_trace(load_trace("azure-conv"), length_scale=0.0625, max_length=256)
+    trace = map_trace(load_trace("azure-conv"), length_scale=0.05, max_length=256)
     lengths = np.resize(trace.input_lengths, args.requests).tolist()
     print(
-        f"{args.requests} requests, lengths from azure-conv x0.0625 clipped to 256, default "
+        f"{args.requests} requests, lengths from azure-conv x0.05 clipped to 256, default "
         f"batching config per strategy; best of {args.runs}; python "
         f"{platform.python_version()}\n"
     )
