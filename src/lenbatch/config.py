@@ -27,6 +27,7 @@ __all__ = [
     "BatchingConfig",
     "LanePolicy",
     "ModelConfig",
+    "RecoveryConfig",
     "SchedulerConfig",
     "ServerConfig",
     "Settings",
@@ -119,6 +120,13 @@ class BatchingConfig(BaseModel):
 
     def resolve(self, max_length: int, default_boundaries: tuple[int, ...] = ()) -> SchedulerConfig:
         """The scheduler's view of this config for a model that accepts `max_length` tokens."""
+        if self.strategy is Strategy.STATIC and max_length > self.max_batch_tokens:
+            # static pads every row to the model's limit: not even one row fits the budget
+            raise ValueError(
+                f"strategy static pads every input to the model's limit of {max_length} "
+                f"tokens, over max_batch_tokens={self.max_batch_tokens}: no batch could ever "
+                f"run. Raise max_batch_tokens to at least {max_length}"
+            )
         if self.strategy is not Strategy.BUCKETED:
             lane = LanePolicy(
                 upper=max_length,
@@ -206,7 +214,8 @@ class ServerConfig(BaseModel):
     length_log: str | None = None
     """Path of a JSONL log of (id, arrival, length, bucket, queue wait, exec time); no text."""
     drain_timeout_s: float = Field(30.0, ge=0)
-    """On SIGTERM, how long queued and running requests may take to finish."""
+    """On SIGTERM (or Ctrl-C), how long queued and running requests may take to finish; new
+    requests get 503 meanwhile and whatever is left after it is answered 503."""
     log_level: str = "info"
     """Log level of lenbatch and uvicorn."""
 
@@ -217,15 +226,36 @@ class AdmissionConfig(BaseModel):
     model_config = _FROZEN
 
     max_queue_total: int = Field(4096, ge=1)
-    """Most requests waiting in all queues together; beyond it new ones get 429."""
+    """Most inputs waiting in all queues together; beyond it new calls get 429 (a call with
+    more inputs than this can never fit and gets 413)."""
     max_queue_per_bucket: int | None = Field(None, ge=1)
-    """Most requests waiting in one queue (None: only the total applies)."""
+    """Most inputs waiting in one queue (None: only the total applies)."""
     tokens_per_s: float | None = Field(None, gt=0)
     """Token-bucket refill rate in tokens per second (None: no rate limit)."""
     burst_tokens: int | None = Field(None, ge=1)
     """Token-bucket size (default: one second of `tokens_per_s`)."""
     request_timeout_s: float | None = Field(None, gt=0)
-    """Default deadline of a request from its arrival (None: no deadline)."""
+    """Default deadline of a request from its arrival (None: no deadline); the
+    `X-Request-Timeout` header overrides it per call. Expired requests are answered 504."""
+    retry_after_s: float = Field(1.0, gt=0)
+    """`Retry-After` sent with 429 for a full queue (rate-limit 429s send the exact wait)."""
+
+
+class RecoveryConfig(BaseModel):
+    """What the engine does when the model fails."""
+
+    model_config = _FROZEN
+
+    oom_cooldown_s: float = Field(30.0, ge=0)
+    """After an out-of-memory error, how long the bucket's batch cap stays lowered (to half
+    the failing batch) before it is restored."""
+    probe_after_failures: int = Field(8, ge=1)
+    """After this many failed model calls in a row, run one known-good input: if it fails too,
+    the runner is declared crashed (not ready, every waiting request answered with 503)."""
+    batch_timeout_s: float | None = Field(None, gt=0)
+    """A batch still running after this many seconds means the runner hangs: it is declared
+    crashed, and its requests answered 503 (None: wait for ever; set it above the slowest
+    batch the budget allows)."""
 
 
 class Settings(BaseModel):
@@ -237,6 +267,7 @@ class Settings(BaseModel):
     batching: BatchingConfig = BatchingConfig()
     server: ServerConfig = ServerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,12 @@
-"""Errors a request can end with. Each says what was wrong and what the limit is, and never
-contains request text. `status` is the HTTP status the server answers with."""
+"""Errors a request can end with, and the runner-side signals that lead to them.
+
+Each `LenbatchError` says what was wrong and what the limit is, and never contains request text;
+`status` is the HTTP status the server answers with and `code` the machine-readable reason
+(a few limits override it per instance, e.g. `queue_full` vs `rate_limited`, both 429).
+
+`RunnerCrashed` is not an answer: a runner raises it to say it is unusable, and the engine then
+reports itself not ready and fails every waiting request with `Unavailable`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,11 @@ __all__ = [
     "InputTooLong",
     "LenbatchError",
     "ModelFailed",
+    "OutOfMemory",
     "Overloaded",
+    "RunnerCrashed",
     "Unavailable",
+    "is_out_of_memory",
 ]
 
 
@@ -21,10 +31,14 @@ class LenbatchError(Exception):
     code = "internal_error"
     kind = "server_error"
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        if code is not None:
+            self.code = code
 
 
 class BadInput(LenbatchError):
@@ -36,7 +50,7 @@ class BadInput(LenbatchError):
 
 
 class InputTooLong(LenbatchError):
-    """An input is longer than the model, or any batch budget, can ever take."""
+    """An input (or a call) is larger than the model, or any budget, can ever take."""
 
     status = 413
     code = "input_too_long"
@@ -59,6 +73,14 @@ class Unavailable(LenbatchError):
     kind = "server_error"
 
 
+class OutOfMemory(LenbatchError):
+    """The model ran out of memory even on this input alone; memory may free up later."""
+
+    status = 503
+    code = "out_of_memory"
+    kind = "server_error"
+
+
 class DeadlineExceeded(LenbatchError):
     """The request's deadline passed before it could run."""
 
@@ -73,3 +95,22 @@ class ModelFailed(LenbatchError):
     status = 500
     code = "model_error"
     kind = "server_error"
+
+
+class RunnerCrashed(Exception):
+    """Raised by a runner to say it is unusable (device lost, worker dead): the engine stops
+    using it, reports not-ready, and answers every waiting request with an error."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for Python's `MemoryError` and torch's out-of-memory errors.
+
+    Matched by class name so the engine does not import torch: `torch.cuda.OutOfMemoryError`
+    (an alias of `torch.OutOfMemoryError`) and, for older builds, a RuntimeError whose message
+    starts with "CUDA out of memory".
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("CUDA out of memory")

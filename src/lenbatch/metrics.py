@@ -106,6 +106,16 @@ class Metrics:
         self.inflight = Gauge(
             "lenbatch_batches_in_flight", "Batches running or prepared", registry=r
         )
+        self.failures = Counter(
+            "lenbatch_model_failures",
+            "Failed model calls by kind (error, oom, crash)",
+            ["bucket", "kind"],
+            registry=r,
+        )
+        self.batch_cap = Gauge(
+            "lenbatch_batch_cap", "Max batch in force (lowered after out-of-memory)", lb, registry=r
+        )
+        self.ready = Gauge("lenbatch_ready", "1 while the engine accepts requests", registry=r)
         self.peak_rss = Gauge("lenbatch_peak_rss_bytes", "Process RSS high-water mark", registry=r)
         self.weights = Gauge("lenbatch_weights_bytes", "Model parameter bytes", registry=r)
         self.activations = Gauge(
@@ -115,6 +125,7 @@ class Metrics:
         self._all_latencies: deque[float] = deque(maxlen=_WINDOW)
         self._status_counts: dict[str, int] = {}
         self._rejections: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
         self._memory: dict[str, Any] = {}
 
     def record_batch(
@@ -159,6 +170,20 @@ class Metrics:
         """A call was refused before queueing."""
         self.rejected.labels(reason).inc()
         self._rejections[reason] = self._rejections.get(reason, 0) + 1
+
+    def record_failure(self, lane: int, kind: str) -> None:
+        """A model call of `lane` failed: `error` (raised), `oom` (out of memory) or `crash`."""
+        self.failures.labels(self.labels[lane], kind).inc()
+        self._failures[kind] = self._failures.get(kind, 0) + 1
+
+    def set_batch_caps(self, caps: Sequence[int]) -> None:
+        """The max batch in force for each lane."""
+        for label, cap in zip(self.labels, caps, strict=True):
+            self.batch_cap.labels(label).set(cap)
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether the engine accepts requests."""
+        self.ready.set(1 if ready else 0)
 
     def set_depths(self, depths: Sequence[int], inflight: int) -> None:
         """Current queue depth per lane and batches in flight."""
@@ -217,6 +242,7 @@ class Metrics:
             "uptime_s": time.time() - self.started,
             "requests": dict(self._status_counts),
             "rejected": dict(self._rejections),
+            "model_failures": dict(self._failures),
             "batches": batches,
             "mean_batch_size": requests / batches if batches else 0.0,
             "real_tokens": real,

@@ -1,36 +1,65 @@
-"""The HTTP layer: a thin FastAPI app over `Engine.embed`.
+"""The HTTP layer: a thin FastAPI app over `Engine.embed`, and the uvicorn server that drains it.
 
 Endpoints: `POST /v1/embeddings` (OpenAI-compatible), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus), `GET /stats` (JSON summary). Errors use OpenAI's shape,
-`{"error": {"message", "type", "code", "param"}}`, and never echo request content.
+`{"error": {"message", "type", "code", "param"}}`, are 4xx for anything the client sent wrong,
+and never echo request content.
+
+In front of the app, a plain ASGI guard checks the API key (every path but /health) and the body
+size limit, by `Content-Length` and by counting a chunked body as it streams in. A client that
+disconnects while its request waits has its inputs taken out of the queue.
+
+`DrainingServer` is uvicorn's server with lenbatch's drain put in front of uvicorn's own
+shutdown: on SIGTERM or Ctrl-C the engine first refuses new requests (503 with the reason) while
+the listener stays open, answers everything already admitted (up to `drain_timeout_s`, then
+503), and only then lets uvicorn close the listener, flush the responses and run the lifespan
+shutdown. A second Ctrl-C forces an immediate exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lenbatch.config import Settings
 from lenbatch.engine import Engine
 from lenbatch.errors import BadInput, LenbatchError
 
-__all__ = ["EmbeddingRequest", "create_app"]
+__all__ = ["DrainingServer", "EmbeddingRequest", "create_app", "serve"]
 
 log = logging.getLogger("lenbatch.server")
 
-TIMEOUT_HEADER = "x-request-timeout"
+_FLUSH_S = 5  # after the drain, how long uvicorn may take to write the last responses
+_TIMEOUT_DOC = (
+    "Seconds this call may wait before it runs; if it has not started by then its inputs are "
+    "dropped and the answer is 504. Overrides the server's admission.request_timeout_s."
+)
+
+_Text = Annotated[StrictStr, Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Input = Annotated[
+    _Text
+    | Annotated[list[_Text], Field(min_length=1)]
+    | _TokenIds
+    | Annotated[list[_TokenIds], Field(min_length=1)],
+    Field(description="Text, list of texts, token ids, or list of token-id lists."),
+]
 
 
 class EmbeddingRequest(BaseModel):
@@ -38,14 +67,12 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text, list of texts, token ids, or list of token-id lists."
-    )
+    input: Input
     model: str | None = Field(None, description="Model name; must match the served model.")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="`float` lists or `base64` little-endian float32."
     )
-    dimensions: int | None = Field(None, description="Must equal the model's width if given.")
+    dimensions: int | None = Field(None, ge=1, description="Must equal the model's width if given.")
     user: str | None = Field(None, description="Ignored; accepted for compatibility.")
     truncate: bool | None = Field(
         None, description="Cut inputs over the model limit instead of rejecting them."
@@ -68,11 +95,94 @@ def error_response(err: LenbatchError) -> JSONResponse:
 
 
 async def _until_disconnect(request: Request) -> None:
-    # After FastAPI has read the body, the next ASGI message is the disconnect.
+    # After FastAPI has read the body, the next ASGI message is the disconnect (uvicorn sends
+    # it when the client goes away, or once the response is complete).
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` when a streamed body passes the limit; answered 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class _Guard:
+    """API key and body size limit, as plain ASGI middleware.
+
+    Plain ASGI rather than `@app.middleware`: Starlette's BaseHTTPMiddleware re-wraps `receive`,
+    which the disconnect watcher relies on. A body announced over the limit is refused before
+    it is read; a chunked one is counted as it arrives and refused once it passes the limit.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.key):
+                response = _error(
+                    401,
+                    "missing or wrong API key (send Authorization: Bearer <key>)",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                )
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            response = _error(
+                413,
+                f"request body of {length} bytes exceeds the limit of {self.max_body} bytes",
+                "invalid_request_error",
+                "body_too_large",
+            )
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise _BodyTooLarge(self.max_body)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    # Pydantic's default detail echoes the offending value: describe the place, not the data.
+    parts: list[str] = []
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        elif loc and loc[0] == "input":
+            msg = (
+                "input: must be a non-empty string, a list of strings, a list of token "
+                "ids (integers), or a list of token-id lists"
+            )
+        elif e.get("type") == "missing":
+            msg = f"{'.'.join(loc)}: required"
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}"
+        if msg not in parts:
+            parts.append(msg)
+    return "invalid request: " + "; ".join(parts[:5])
 
 
 def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
@@ -80,7 +190,6 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
     accepted_names = {served, engine.info.name, settings.model.name}
-    api_key = settings.server.api_key
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +201,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         )
         yield
         await engine.stop(timeout=settings.server.drain_timeout_s)
+        log.info("engine stopped")
 
     app = FastAPI(title="lenbatch", version="0.1.0", lifespan=lifespan)
 
@@ -104,56 +214,27 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
             allow_methods=["*"],
             allow_headers=["*"],
         )
-
-    @app.middleware("http")
-    async def guard(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {api_key}":
-                return _error(
-                    401,
-                    "missing or wrong API key (Authorization: Bearer <key>)",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.server.max_body_bytes:
-            return _error(
-                413,
-                f"request body of {length} bytes exceeds the limit of "
-                f"{settings.server.max_body_bytes} bytes",
-                "invalid_request_error",
-                "body_too_large",
-            )
-        return await call_next(request)
+    app.add_middleware(
+        _Guard, api_key=settings.server.api_key, max_body=settings.server.max_body_bytes
+    )
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Pydantic's default detail echoes the offending value: describe the place, not the data.
-        parts: list[str] = []
-        for e in exc.errors():
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            if loc and loc[0] == "input":
-                msg = (
-                    "input: must be a non-empty string, a list of strings, a list of token "
-                    "ids, or a list of token-id lists"
-                )
-            else:
-                msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}"
-            if msg not in parts:
-                parts.append(msg)
         return _error(
             400 if request.url.path.startswith("/v1/") else 422,
-            "invalid request: " + "; ".join(parts[:5]),
+            _describe_validation(exc),
             "invalid_request_error",
             "invalid_input",
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", "http_error")
+        if isinstance(exc, _BodyTooLarge):
+            return _error(413, str(exc.detail), "invalid_request_error", "body_too_large")
+        detail = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the body could not be parsed: send UTF-8 encoded JSON"
+        return _error(exc.status_code, detail, "invalid_request_error", "http_error")
 
     @app.exception_handler(LenbatchError)
     async def on_lenbatch_error(request: Request, exc: LenbatchError) -> JSONResponse:
@@ -161,10 +242,14 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while accepting work, 503 (with the state) while draining or failed."""
+        """200 while accepting work; 503 with the state (and the reason if the runner
+        failed) while draining, failed or stopped."""
         if engine.ready:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": engine.state.value}, status_code=503)
+        body: dict[str, Any] = {"status": engine.state.value}
+        if engine.failure is not None:
+            body["reason"] = engine.failure
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -177,14 +262,17 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        """JSON summary: waste, latency percentiles, per-bucket figures, configuration."""
+        """JSON summary: waste, latency percentiles, per-bucket figures, batch caps, state."""
         mem = engine.runner.memory()
         engine.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
         out = engine.metrics.stats()
         out["model"] = served
+        out["state"] = engine.state.value
         out["boundaries"] = list(engine.cfg.boundaries)
         out["default_boundaries"] = engine.uses_default_boundaries
         out["queue_depths"] = engine.queues.depths()
+        out["unanswered"] = engine.unanswered
+        out["batch_caps"] = engine.caps.describe(engine.clock.now(), engine.lane_labels)
         return JSONResponse(out)
 
     @app.get("/v1/models")
@@ -198,7 +286,13 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         )
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    async def embeddings(
+        body: EmbeddingRequest,
+        request: Request,
+        x_request_timeout: Annotated[
+            float | None, Header(gt=0, allow_inf_nan=False, description=_TIMEOUT_DOC)
+        ] = None,
+    ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
         if body.model is not None and body.model not in accepted_names:
             return _error(
@@ -213,16 +307,22 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
                 f"vectors have {engine.info.dim} dimensions"
             )
         ids = _token_ids(body.input, engine, body.truncate, settings.server.max_inputs_per_request)
-        timeout = _timeout_header(request)
-        work = asyncio.ensure_future(engine.embed(ids, truncate=body.truncate, timeout=timeout))
+        work = asyncio.ensure_future(
+            engine.embed(ids, truncate=body.truncate, timeout=x_request_timeout)
+        )
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()  # the client left: its requests leave the queue
+        except asyncio.CancelledError:
+            work.cancel()
             gone.cancel()
+            raise
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # the client left: its requests leave the queue
+            await asyncio.wait({work})  # let the cancellation run before answering
         if work.cancelled():
+            log.info("client disconnected: %d inputs withdrawn", len(ids))
             return Response(status_code=499)
         vectors = work.result()
         usage = sum(len(x) for x in ids)
@@ -247,19 +347,6 @@ def _encode(vec: np.ndarray[Any, Any], fmt: str) -> Any:
     return vec.tolist()
 
 
-def _timeout_header(request: Request) -> float | None:
-    raw = request.headers.get(TIMEOUT_HEADER)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise BadInput(f"{TIMEOUT_HEADER} must be a number of seconds") from None
-    if not value > 0:
-        raise BadInput(f"{TIMEOUT_HEADER} must be positive")
-    return value
-
-
 def _token_ids(
     raw: str | list[str] | list[int] | list[list[int]],
     engine: Engine,
@@ -280,14 +367,68 @@ def _token_ids(
         for i, t in enumerate(texts):
             if not t:
                 raise BadInput(f"input {i} is an empty string")
-        ids = engine.tokenize(texts, truncate)
-    else:
-        ids = raw
-        vocab = engine.info.vocab_size
-        for i, seq in enumerate(ids):
-            if not seq:
-                raise BadInput(f"input {i} is an empty token array")
-            lo, hi = min(seq), max(seq)
-            if lo < 0 or hi >= vocab:
-                raise BadInput(f"input {i} has token ids outside [0, {vocab})")
+            if not t.isascii():
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInput(
+                        f"input {i} is not valid Unicode (it holds a lone surrogate escape)"
+                    ) from None
+        try:
+            ids = engine.tokenize(texts, truncate)
+        except Exception as exc:  # the message could quote the text: report the type only
+            raise BadInput(
+                f"the tokenizer could not process the input ({type(exc).__name__})"
+            ) from None
+        return ids
+    ids = raw
+    vocab = engine.info.vocab_size
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise BadInput(f"input {i} is an empty token array")
+        if min(seq) < 0 or max(seq) >= vocab:
+            raise BadInput(f"input {i} has token ids outside [0, {vocab})")
     return ids
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining the engine before uvicorn's own shutdown begins.
+
+    uvicorn's shutdown closes the listener, then waits for open responses, then runs the
+    lifespan shutdown. A shutdown request (signal or `should_exit`) is held here instead until
+    `engine.drain()` has answered every admitted request; meanwhile the listener stays open and
+    new requests get 503 `shutting_down`, which load balancers treat as "go elsewhere".
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self._drain: asyncio.Task[None] | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s); holds `should_exit` back until the drain is done."""
+        if self.should_exit and not self.force_exit:
+            if self._drain is None:
+                log.info(
+                    "shutdown requested: refusing new requests, draining %d admitted (up to %g s)",
+                    self.engine.unanswered,
+                    self.drain_timeout_s,
+                )
+                self._drain = asyncio.create_task(self.engine.drain(self.drain_timeout_s))
+            if not self._drain.done():
+                return False
+            log.info("drained: every admitted request answered; closing the listener")
+        return await super().on_tick(counter)
+
+
+def serve(engine: Engine, settings: Settings) -> None:
+    """Serve `engine` over HTTP until SIGTERM or Ctrl-C, then drain and exit."""
+    config = uvicorn.Config(
+        create_app(engine, settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_graceful_shutdown=_FLUSH_S,
+    )
+    DrainingServer(config, engine, settings.server.drain_timeout_s).run()

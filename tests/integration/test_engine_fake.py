@@ -104,7 +104,7 @@ async def test_deadline_passes_in_queue() -> None:
     try:
         first = asyncio.create_task(engine.embed([_ids(10)]))
         await asyncio.sleep(0.02)
-        with pytest.raises(DeadlineExceeded, match=r"deadline of 0\.050 s passed"):
+        with pytest.raises(DeadlineExceeded, match=r"timeout of 0\.050 s passed"):
             await engine.embed([_ids(10, 1)], timeout=0.05)
         await first
     finally:

@@ -48,6 +48,19 @@ def register(sub: Any) -> None:
         default=None,
         help="truncate overlong inputs by default instead of rejecting them",
     )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="default deadline per request in seconds; expired requests get 504 "
+        "(default: none; the X-Request-Timeout header sets it per call)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, how long admitted requests may take to finish (default 30)",
+    )
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
@@ -64,7 +77,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "api_key": args.api_key,
             "length_log": args.length_log,
             "log_level": args.log_level,
+            "drain_timeout_s": args.drain_timeout,
         },
+        "admission": {"request_timeout_s": args.request_timeout},
     }
     return load_settings(args.config, os.environ, overrides)
 
@@ -77,12 +92,10 @@ def run(args: argparse.Namespace) -> int:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    import uvicorn
-
     from lenbatch.engine import Engine
     from lenbatch.lengthlog import LengthLog
     from lenbatch.runners import load_runner
-    from lenbatch.server import create_app
+    from lenbatch.server import serve
 
     m = settings.model
     runner = load_runner(
@@ -93,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         runner,
         settings.batching,
         settings.admission,
+        recovery=settings.recovery,
         default_truncate=m.truncate,
         length_log=length_log,
     )
@@ -118,12 +132,5 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         log.info("strategy %s", engine.cfg.strategy.value)
-    app = create_app(engine, settings)
-    uvicorn.run(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_level=settings.server.log_level,
-        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
-    )
+    serve(engine, settings)
     return 0

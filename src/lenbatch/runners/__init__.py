@@ -41,7 +41,15 @@ def load_runner(
     max_length: int | None = None,
     torch_threads: int | None = None,
 ) -> EmbeddingRunner:
-    """Load the model called `name` (alias or folder) as an embedding runner."""
+    """Load the model called `name` (alias or folder) as an embedding runner.
+
+    `fake?...` is a hidden alias for tests: a deterministic fake runner with an optional
+    per-batch cost and injected faults (see `lenbatch.runners.faulty.runner_from_spec`).
+    """
+    if name.partition("?")[0].lower() == "fake":
+        from lenbatch.runners.faulty import runner_from_spec
+
+        return runner_from_spec(name)
     from lenbatch.runners.encoder import EncoderRunner
 
     folder, served = resolve_model(name)

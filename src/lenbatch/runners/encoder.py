@@ -131,7 +131,12 @@ class EncoderRunner:
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
         if batch.position_ids is not None:
             kwargs["position_ids"] = torch.from_numpy(batch.position_ids).to(self.device)
-        hidden = self.model(**kwargs).last_hidden_state
+        try:
+            hidden = self.model(**kwargs).last_hidden_state
+        except torch.cuda.OutOfMemoryError:
+            # The engine splits the batch and retries: hand the cached blocks back first.
+            torch.cuda.empty_cache()
+            raise
         pooled = self._pool(hidden, mask)
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)

@@ -45,6 +45,7 @@ class FakeRunner:
     padding_side: str = "right"
     cost: CostFn | None = None
     clock: FakeClock | None = None  # if set, cost is charged here instead of sleeping
+    record: bool = True  # keep every batch in `batches` (off when served: it would only grow)
     info: ModelInfo = field(init=False)
     batches: list[SeenBatch] = field(default_factory=list, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -90,8 +91,9 @@ class FakeRunner:
         """One vector per row, from the row's unpadded tokens only."""
         rows = batch.input_ids.shape[0]
         width = batch.input_ids.shape[1]
-        with self._lock:
-            self.batches.append(SeenBatch(rows, width, batch.lengths))
+        if self.record:
+            with self._lock:
+                self.batches.append(SeenBatch(rows, width, batch.lengths))
         if self.cost is not None:
             dt = self.cost(rows, width)
             if self.clock is not None:
