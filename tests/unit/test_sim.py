@@ -107,7 +107,7 @@ def test_queue_bound_rejects_what_does_not_fit() -> None:
     t = trace([0.0] * 4, [10] * 4)
     run = simulate(t, CostModel(const=0.1), fifo(), AdmissionConfig(max_queue_total=2))
     assert list(run.outcomes) == [OUTCOME_OK, OUTCOME_OK, OUTCOME_REJECTED, OUTCOME_REJECTED]
-    assert run.rejections == {"overloaded": 2}
+    assert run.rejections == {"queue_full": 2}
 
 
 def test_token_bucket_refills_at_its_rate() -> None:
