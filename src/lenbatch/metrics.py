@@ -235,6 +235,7 @@ class Metrics:
                 }
             )
         lat = self._all_latencies
+        waits = [w for s in self._lanes for w in s.waits]  # all lanes: the replay report's split
         batches = sum(s.batches for s in self._lanes)
         requests = sum(s.requests for s in self._lanes)
         return {
@@ -251,6 +252,8 @@ class Metrics:
             "p50_ms": 1000 * percentile(lat, 50) if lat else None,
             "p95_ms": 1000 * percentile(lat, 95) if lat else None,
             "p99_ms": 1000 * percentile(lat, 99) if lat else None,
+            "queue_wait_p50_ms": 1000 * percentile(waits, 50) if waits else None,
+            "queue_wait_p95_ms": 1000 * percentile(waits, 95) if waits else None,
             "memory": dict(self._memory),
             "per_bucket": per_bucket,
         }

@@ -61,12 +61,15 @@ def batching_overrides(args: argparse.Namespace) -> dict[str, Any]:
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
-def add_trace_options(p: argparse.ArgumentParser) -> None:
+def add_trace_options(p: argparse.ArgumentParser, *, optional_trace: bool = False) -> None:
     """Add TRACE and the explicit mapping options (applied in this order: window, length
-    scale, max length, rate scale, limit)."""
+    scale, max length, rate scale, limit). `optional_trace` lets a command take its traffic
+    from elsewhere (replay and bench: `--scenario`)."""
     p.add_argument(
         "trace",
         metavar="TRACE",
+        nargs="?" if optional_trace else None,
+        default=None,
         help="trace file (Azure CSV, Mooncake JSONL, ShareGPT CSV, a `serve --length-log` "
         "file, or any CSV/JSONL with --length-column), or a bundled trace: azure-conv, "
         "mooncake, sharegpt",

@@ -1,0 +1,154 @@
+"""`lenbatch bench`: every strategy and the peers on the same traffic, one report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from lenbatch.cli.traffic import add_traffic_options, describe, traffic_from_args
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.5,1,2, got {text!r}") from None
+
+
+def register(sub: Any) -> None:
+    """Add the `bench` subcommand."""
+    p = sub.add_parser(
+        "bench",
+        help="replay the same traffic against each strategy and peer, write a report",
+        description="For each strategy, start `lenbatch serve --strategy S` on a free "
+        "loopback port, replay the traffic, read /stats and stop it; the same for each peer "
+        "(naive FastAPI server, Ray Serve with @serve.batch). Writes DIR/report.md, PNG plots "
+        "and DIR/runs/*.json.",
+    )
+    add_traffic_options(p)
+    p.add_argument(
+        "--strategies",
+        type=_names,
+        default=["static", "fifo", "sorted", "bucketed"],
+        metavar="S1,S2",
+        help="lenbatch strategies to run (default static,fifo,sorted,bucketed)",
+    )
+    p.add_argument(
+        "--peer",
+        type=_names,
+        default=[],
+        metavar="P1,P2",
+        help="peers to run as well: naive, ray (ray needs `pip install 'lenbatch[ray]'`)",
+    )
+    p.add_argument("--report", required=True, metavar="DIR", help="output folder")
+    p.add_argument(
+        "--rate-sweep",
+        type=_floats,
+        default=[1.0],
+        metavar="X1,X2",
+        help="run each target at these multiples of the traffic's rate (default 1)",
+    )
+    p.add_argument("--max-batch", type=int, default=32, help="batch cap for all servers (32)")
+    p.add_argument(
+        "--max-wait-ms", type=float, default=10.0, help="batch wait for all servers (10 ms)"
+    )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        metavar="'ARGS'",
+        help="extra flags for every `lenbatch serve`, e.g. '--boundaries 32,64,128'",
+    )
+    p.add_argument(
+        "--cost",
+        metavar="FILE",
+        help="cost model JSON (from `lenbatch profile`): add the simulator's prediction of "
+        "each strategy's run beside the live figures",
+    )
+    p.add_argument("--title", default=None, help="report title")
+    p.add_argument("--conditions", default=None, help="a note on the conditions, in the report")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the traffic once, run every target, write the report."""
+    from lenbatch.benchrun import BenchConfig, lengths_summary, run_bench, targets_for
+
+    serve_args = shlex.split(args.serve_args)
+    targets = targets_for(
+        args.strategies,
+        args.peer,
+        model=args.model,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        serve_args=serve_args,
+    )
+    traffic = traffic_from_args(args)
+    predictor = None
+    prediction_note = (
+        "No cost model given (`--cost FILE`), so no simulator predictions in this report."
+    )
+    if args.cost:
+        from lenbatch.cli.predict import make_predictor
+
+        predictor, prediction_note = make_predictor(args, traffic, serve_args)
+    settings = describe(args)
+    settings.update(
+        {
+            "strategies": ",".join(args.strategies),
+            "peers": ",".join(args.peer) or "none",
+            "max batch / max wait": f"{args.max_batch} / {args.max_wait_ms:g} ms (all servers)",
+            "extra serve flags": args.serve_args or "none",
+            "traffic": lengths_summary(traffic.plan.lengths),
+        }
+    )
+    meta = {
+        "title": args.title or "lenbatch replay benchmark",
+        "command": "lenbatch " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "trace_notes": list(traffic.plan.notes),
+        "settings": settings,
+        "conditions": args.conditions,
+        "prediction_note": prediction_note,
+    }
+    cfg = BenchConfig(
+        plan=traffic.plan,
+        endpoint=traffic.endpoint,
+        targets=targets,
+        report_dir=Path(args.report),
+        rates=args.rate_sweep,
+        clients=args.clients,
+        timeout_s=args.timeout,
+        max_in_flight=args.max_in_flight,
+        boundaries=_bucketed_boundaries(serve_args, traffic.max_length, args.model),
+        max_length=traffic.max_length,
+        warmup=traffic.warmup,
+        predictor=predictor,
+        meta=meta,
+        progress=not args.no_progress,
+    )
+    path = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    print(path)
+    return 0
+
+
+def _bucketed_boundaries(
+    serve_args: list[str], max_length: int | None, model: str
+) -> tuple[int, ...] | None:
+    """The buckets every run's per-bucket latencies are reported in: `--boundaries` from
+    --serve-args if given, else the model's default (what `bucketed` serves with)."""
+    if "--boundaries" in serve_args:
+        i = serve_args.index("--boundaries")
+        return tuple(int(x) for x in serve_args[i + 1].split(","))
+    from lenbatch.buckets import default_boundaries
+    from lenbatch.textgen import model_max_length
+
+    limit = model_max_length(model)
+    if limit is None:
+        return None
+    return default_boundaries(limit if max_length is None else min(max_length, limit))

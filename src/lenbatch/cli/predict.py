@@ -1,0 +1,77 @@
+"""`bench --cost FILE`: the simulator's prediction of each strategy's run, beside the live one.
+
+The prediction replays the very plan the bench sends (same offsets, the bodies' real token
+lengths) through `lenbatch.sim.simulate` with the batching settings each `lenbatch serve`
+process gets (parsed by `serve`'s own option parser, so they cannot drift apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lenbatch.cli.traffic import Traffic
+from lenbatch.config import BatchingConfig
+from lenbatch.costmodel import CostModel
+from lenbatch.trace import Trace
+
+__all__ = ["batching_for", "make_predictor"]
+
+SimulateFn = Callable[..., Any]  # lenbatch.sim.simulate(trace, cost, batching, ...) -> SimRun
+
+
+def batching_for(
+    strategy: str, max_batch: int, max_wait_ms: float, serve_args: Sequence[str]
+) -> BatchingConfig:
+    """The `BatchingConfig` that `lenbatch serve --strategy S ... SERVE_ARGS` runs with."""
+    from lenbatch.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["serve", "--strategy", strategy, "--max-batch", str(max_batch),
+         "--max-wait-ms", f"{max_wait_ms:g}", *serve_args]
+    )  # fmt: skip
+    # The environment is part of what `serve` reads; the bench's servers inherit it.
+    return serve.settings_from_args(args).batching
+
+
+def make_predictor(
+    args: argparse.Namespace,
+    traffic: Traffic,
+    serve_args: Sequence[str],
+    simulate: SimulateFn | None = None,
+) -> tuple[Callable[[str, float], dict[str, Any] | None], str]:
+    """(predictor, note for the report). `simulate` defaults to `lenbatch.sim.simulate`."""
+    if simulate is None:
+        try:
+            from lenbatch.sim import simulate as sim_simulate
+        except ImportError:
+            raise ValueError(
+                "--cost needs the simulator (lenbatch.sim), which this build does not have"
+            ) from None
+        simulate = sim_simulate
+    cost = CostModel.load(args.cost)
+    from lenbatch.textgen import model_max_length
+
+    limit = model_max_length(args.model) or 512
+    plan = traffic.plan
+
+    def predict(strategy: str, rate: float) -> dict[str, Any] | None:
+        trace = Trace(
+            input_lengths=plan.lengths,
+            arrivals=plan.scheduled / rate,
+            source="bench plan",
+        )
+        batching = batching_for(strategy, args.max_batch, args.max_wait_ms, serve_args)
+        summary: dict[str, Any] = simulate(trace, cost, batching, max_length=limit).summary()
+        return summary
+
+    note = (
+        f"Predictions: `lenbatch.sim` with cost model {os.path.basename(args.cost)} "
+        f"({cost.model or 'model not named'}, fit error {cost.fit_error:.1%}), on the same "
+        "request offsets and real token lengths as the live runs."
+    )
+    return predict, note

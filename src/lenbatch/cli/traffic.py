@@ -1,0 +1,204 @@
+"""Options and setup shared by `replay` and `bench`: which traffic, which bodies, which API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lenbatch.cli.common import add_trace_options, trace_from_args
+from lenbatch.endpoints import ENDPOINTS, Endpoint, make_endpoint
+from lenbatch.replay import ReplayPlan, plan_from_trace
+from lenbatch.scenarios import SCENARIOS, build_scenario, pools_from_builder
+from lenbatch.trace import Trace, map_trace
+
+__all__ = ["Traffic", "add_traffic_options", "traffic_from_args"]
+
+
+def add_traffic_options(p: argparse.ArgumentParser) -> None:
+    """TRACE or --scenario, the mapping options, and how requests are built and sent."""
+    add_trace_options(p, optional_trace=True)
+    g = p.add_argument_group("traffic")
+    g.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        help="synthetic arrivals with real text lengths instead of TRACE",
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=10.0,
+        metavar="R",
+        help="--scenario: mean requests per second (default 10)",
+    )
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="replay only requests scheduled in the first S seconds (after rate scaling); "
+        "--scenario: its length (default 60)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="scenario and text seed (default 0)")
+    r = p.add_argument_group("requests")
+    r.add_argument(
+        "--model",
+        default="minilm",
+        help="the served model, whose tokenizer sizes the bodies (alias or folder; default minilm)",
+    )
+    r.add_argument(
+        "--payload",
+        choices=["text", "tokens"],
+        default="text",
+        help="send real text of the trace's token length, or token-id arrays (default text)",
+    )
+    r.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="embeddings",
+        help="embeddings: POST /v1/embeddings; completions: POST /v1/completions, streamed, "
+        "max_tokens from the trace's output length (default embeddings)",
+    )
+    r.add_argument(
+        "--served-model",
+        default=None,
+        metavar="NAME",
+        help="send this `model` name in each body (default: none)",
+    )
+    r.add_argument(
+        "--output-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="completions: multiply the trace's output lengths by X (at least 1 token)",
+    )
+    r.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        metavar="N",
+        help="completions: clip output lengths to N tokens",
+    )
+    r.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="completions: do not send ignore_eos=true (outputs may then stop before the "
+        "trace's length)",
+    )
+    r.add_argument(
+        "--clients", type=int, default=16, help="HTTP clients to spread requests over (16)"
+    )
+    r.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="per-request timeout (60 s)"
+    )
+    r.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="requests in flight beyond which the driver does not send (counted as errors)",
+    )
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class Traffic:
+    """What `traffic_from_args` builds."""
+
+    trace: Trace
+    plan: ReplayPlan
+    endpoint: Endpoint
+    warmup: list[bytes]
+    max_length: int | None
+
+
+def traffic_from_args(args: argparse.Namespace) -> Traffic:
+    """Load or build the traffic, then build every request body (before anything is sent)."""
+    from lenbatch.textgen import TextBuilder, load_tokenizer
+
+    if args.trace is None and args.scenario is None:
+        raise ValueError("give a TRACE or --scenario")
+    if args.trace is not None and args.scenario is not None:
+        raise ValueError("give a TRACE or --scenario, not both")
+    tokenizer = load_tokenizer(args.model)
+    builder = TextBuilder(tokenizer)
+    if args.scenario is not None:
+        duration = args.duration if args.duration is not None else 60.0
+        raw = build_scenario(
+            args.scenario,
+            pools_from_builder(builder),
+            rate=args.rate,
+            duration_s=duration,
+            seed=args.seed,
+        )
+        trace = map_trace(
+            raw,
+            length_scale=args.length_scale,
+            max_length=args.max_length,
+            overflow=args.overflow,
+            rate_scale=args.rate_scale,
+            limit=args.limit,
+            start_s=args.start,
+            end_s=args.end,
+        )
+    else:
+        trace = trace_from_args(args)
+    if args.duration is not None and trace.arrivals is not None:
+        keep = trace.arrivals < args.duration
+        trace = trace.with_note(
+            f"first {args.duration:g} s: {int(keep.sum())} requests",
+            input_lengths=trace.input_lengths[keep],
+            arrivals=trace.arrivals[keep],
+            output_lengths=None if trace.output_lengths is None else trace.output_lengths[keep],
+        )
+    if args.endpoint == "completions":
+        trace = _map_outputs(trace, args.output_scale, args.max_output)
+    if args.payload == "text":
+        bodies = builder.texts(trace.input_lengths, seed=args.seed)
+    else:
+        bodies = builder.token_ids(trace.input_lengths, seed=args.seed)
+    note = (
+        f"bodies: {args.payload} from bundled real text, {bodies.exact} of {len(bodies.lengths)} "
+        f"at their exact trace length in {args.model}'s tokenizer"
+    )
+    if bodies.mismatched:
+        diff = np.abs(bodies.lengths - trace.input_lengths)
+        note += f" (others off by at most {int(diff.max())} tokens; real lengths are reported)"
+        print(f"replay: {note}", file=sys.stderr)
+    endpoint = make_endpoint(args.endpoint, args.served_model, not args.no_ignore_eos)
+    plan = plan_from_trace(trace, endpoint, bodies.inputs, bodies.lengths, notes=(note,))
+    warm = builder.texts([8, 32, 64, 16], seed=args.seed + 1)
+    warmup = [endpoint.body(x, 4) for x in warm.inputs]
+    return Traffic(trace, plan, endpoint, warmup, args.max_length)
+
+
+def _map_outputs(trace: Trace, scale: float, limit: int | None) -> Trace:
+    """Output lengths for completions, scaled and clipped, each step noted."""
+    if trace.output_lengths is None:
+        raise ValueError("--endpoint completions needs output lengths; this trace has none")
+    if scale <= 0:
+        raise ValueError(f"--output-scale must be positive, got {scale}")
+    out = trace.output_lengths
+    if scale != 1.0:
+        out = np.maximum(1, np.rint(out * scale)).astype(np.int64)
+        trace = trace.with_note(f"output lengths x{scale:g}", output_lengths=out)
+    if limit is not None:
+        n_over = int((out > limit).sum())
+        out = np.minimum(out, limit)
+        trace = trace.with_note(f"clipped {n_over} outputs to {limit} tokens", output_lengths=out)
+    return trace
+
+
+def describe(args: argparse.Namespace) -> dict[str, Any]:
+    """Settings worth printing beside the results."""
+    return {
+        "payload": args.payload,
+        "endpoint": args.endpoint,
+        "model (tokenizer)": args.model,
+        "clients": args.clients,
+        "per-request timeout": f"{args.timeout:g} s",
+        "seed": args.seed,
+    }

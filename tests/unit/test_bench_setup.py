@@ -1,0 +1,128 @@
+"""Bench wiring that needs no server: targets, loopback guard, the simulator hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lenbatch.benchrun import targets_for
+from lenbatch.cli.predict import batching_for, make_predictor
+from lenbatch.cli.replay import check_loopback
+from lenbatch.cli.traffic import Traffic
+from lenbatch.config import Strategy
+from lenbatch.costmodel import CostModel
+from lenbatch.endpoints import EmbeddingsEndpoint
+from lenbatch.replay import ReplayPlan
+from lenbatch.trace import Trace
+
+
+def test_targets_start_serve_with_each_strategy_and_the_peers() -> None:
+    """One `lenbatch serve --strategy S` per strategy, peers as modules, same batch settings."""
+    targets = targets_for(["fifo", "bucketed"], ["naive", "ray"], max_batch=16, max_wait_ms=5)
+    assert [t.name for t in targets] == ["fifo", "bucketed", "naive", "ray"]
+    fifo = targets[0].command(9001)
+    assert fifo[fifo.index("--strategy") + 1] == "fifo"
+    assert fifo[fifo.index("--port") + 1] == "9001"
+    assert fifo[fifo.index("--max-batch") + 1] == "16"
+    ray = targets[3].command(9002)
+    assert "lenbatch.peers.ray_serve" in ray and ray[ray.index("--max-wait-ms") + 1] == "5"
+
+
+def test_unknown_targets_are_refused() -> None:
+    """Typos in strategy or peer names fail before anything starts."""
+    with pytest.raises(ValueError, match="unknown strategy"):
+        targets_for(["fast"], [])
+    with pytest.raises(ValueError, match="unknown peer"):
+        targets_for([], ["triton"])
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "http://example.com", "http://0.0.0.0:1"])
+def test_replay_only_targets_loopback(url: str) -> None:
+    """The load driver refuses any address off this machine."""
+    with pytest.raises(ValueError, match="loopback"):
+        check_loopback(url)
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:8000")
+
+
+def test_batching_for_uses_serves_own_parser() -> None:
+    """Extra serve flags reach the predicted config exactly as `lenbatch serve` reads them."""
+    b = batching_for("bucketed", 8, 4.0, ["--boundaries", "16,32,64"])
+    assert b.strategy is Strategy.BUCKETED
+    assert (b.max_batch, b.max_wait_ms, b.boundaries) == (8, 4.0, (16, 32, 64))
+
+
+def test_predictor_simulates_the_bench_plan(tmp_path: Path) -> None:
+    """The simulator gets the plan's offsets (scaled by the rate) and real token lengths."""
+    cost_file = tmp_path / "cost.json"
+    CostModel(const=0.01, per_token=1e-4, model="m").save(cost_file)
+    plan = ReplayPlan(
+        scheduled=np.array([0.0, 1.0, 2.0]), lengths=np.array([5, 9, 30]), bodies=[b""] * 3
+    )
+    traffic = Traffic(Trace(plan.lengths), plan, EmbeddingsEndpoint(), [], 256)
+    seen: dict[str, Any] = {}
+
+    class Run:
+        def summary(self) -> dict[str, Any]:
+            return {"p95_ms": 12.0}
+
+    def fake_simulate(trace: Trace, cost: CostModel, batching: Any, **kw: Any) -> Run:
+        seen.update(trace=trace, cost=cost, batching=batching, kw=kw)
+        return Run()
+
+    args = argparse.Namespace(cost=str(cost_file), model="minilm", max_batch=32, max_wait_ms=10.0)
+    predict, note = make_predictor(args, traffic, [], simulate=fake_simulate)
+    assert predict("sorted", 2.0) == {"p95_ms": 12.0}
+    assert seen["trace"].arrivals.tolist() == [0.0, 0.5, 1.0]
+    assert seen["trace"].input_lengths.tolist() == [5, 9, 30]
+    assert seen["batching"].strategy is Strategy.SORTED
+    assert seen["cost"].model == "m" and seen["kw"] == {"max_length": 256}
+    assert "cost.json" in note
+    json.dumps(note)
+
+
+def _traffic(argv: list[str]) -> Traffic:
+    from lenbatch.cli import build_parser
+    from lenbatch.cli.traffic import traffic_from_args
+
+    return traffic_from_args(build_parser().parse_args(argv))
+
+
+def test_scenario_traffic_is_built_with_real_lengths() -> None:
+    """`--scenario` builds seeded arrivals and text bodies sized by the model's tokenizer."""
+    argv = ["replay", "--scenario", "long-heavy", "--rate", "5", "--duration", "4"]
+    t = _traffic([*argv, "--max-length", "256", "--seed", "2", "--url", "http://127.0.0.1:1"])
+    assert 5 <= len(t.plan) <= 40
+    assert t.plan.lengths.max() <= 256
+    assert float(np.mean(t.plan.lengths == 256)) > 0.4  # long-heavy: whole speeches, clipped
+    assert any("scenario long-heavy" in n for n in t.plan.notes)
+    body = json.loads(t.plan.bodies[0])
+    assert isinstance(body["input"], str) and "model" not in body
+
+
+def test_completions_traffic_carries_output_lengths() -> None:
+    """With `--endpoint completions`, max_tokens is the trace's output length."""
+    argv = ["replay", "azure-conv", "--endpoint", "completions", "--limit", "3"]
+    t = _traffic([*argv, "--length-scale", "0.0625", "--url", "http://127.0.0.1:1"])
+    assert t.plan.output_lengths is not None
+    got = [json.loads(b)["max_tokens"] for b in t.plan.bodies]
+    assert got == t.plan.output_lengths.tolist()
+    argv += ["--output-scale", "0.5", "--max-output", "40"]
+    t2 = _traffic([*argv, "--length-scale", "0.0625", "--url", "http://127.0.0.1:1"])
+    assert t2.plan.output_lengths is not None
+    expect = np.minimum(np.maximum(1, np.rint(t.plan.output_lengths * 0.5)), 40)
+    assert t2.plan.output_lengths.tolist() == expect.tolist()
+    assert all(json.loads(b)["stream"] is True for b in t.plan.bodies)
+
+
+def test_traffic_needs_exactly_one_source() -> None:
+    """Neither or both of TRACE and --scenario is a clear error."""
+    with pytest.raises(ValueError, match="TRACE or --scenario"):
+        _traffic(["replay", "--url", "http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="not both"):
+        _traffic(["replay", "azure-conv", "--scenario", "mixed", "--url", "http://127.0.0.1:1"])

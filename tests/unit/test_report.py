@@ -1,0 +1,123 @@
+"""The report generator on fixed data: tables, ratios, predictions and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lenbatch.replay import ReplayResult
+from lenbatch.report import RunRecord, ratio, write_report
+
+
+def _summary(
+    p50: float, p95: float, tok_s: float, waste: float | None, **kw: Any
+) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "requests": 100, "completed": 98, "errors": 1, "rejected": 1, "error_rate": 0.02,
+        "duration_s": 10.0, "throughput_rps": 9.8, "real_tokens_per_s": tok_s,
+        "p50_ms": p50, "p95_ms": p95, "p99_ms": 2 * p95, "queue_wait_p50_ms": 3.0,
+        "queue_wait_p95_ms": 9.0, "padding_waste": waste, "mean_batch_size": 4.0,
+        "peak_memory_mb": 500.0, "per_bucket": [],
+        "driver": {"clients": 16, "cpu_s": 1.5, "cpu_share": 0.15, "send_lateness_p50_ms": 0.4,
+                   "send_lateness_p99_ms": 2.5, "send_lateness_max_ms": 7.0, "not_sent": 0},
+    }  # fmt: skip
+    s.update(kw)
+    return s
+
+
+def _result() -> ReplayResult:
+    n = 50
+    sched = np.linspace(0, 4.9, n)
+    return ReplayResult(
+        scheduled=sched, sent=sched + 0.001, done=sched + 0.05 + 0.01 * (np.arange(n) % 5),
+        lengths=np.full(n, 30), status=np.full(n, 200), outcomes=np.zeros(n, dtype=np.int64),
+        errors=[None] * n, first_token=np.full(n, np.nan),
+        output_tokens=np.zeros(n, dtype=np.int64),
+        token_gaps=np.zeros(0), wall_s=5.0, driver_cpu_s=0.5, clients=16,
+    )  # fmt: skip
+
+
+def _records() -> list[RunRecord]:
+    lanes = [
+        {"server_bucket": "1-16", "padding_waste": 0.05, "mean_exec_ms": 20.0},
+        {"server_bucket": "17-32", "padding_waste": 0.10, "mean_exec_ms": 30.0},
+    ]
+    bucketed = _summary(
+        40.0, 80.0, 1500.0, 0.07,
+        server={"mean_exec_ms": 25.0, "lanes": lanes},
+        per_bucket=[{"bucket": "1-16", "requests": 60, "p50_ms": 30.0, "p95_ms": 50.0,
+                     "padding_waste": 0.05, "mean_batch_size": 5.0}],
+    )  # fmt: skip
+    fifo = _summary(
+        50.0, 100.0, 1000.0, 0.4,
+        server={"mean_exec_ms": 40.0, "lanes": [{"server_bucket": "all", "padding_waste": 0.4}]},
+    )  # fmt: skip
+    naive = _summary(30.0, 160.0, 750.0, None)
+    return [
+        RunRecord(
+            "fifo",
+            "strategy",
+            1.0,
+            fifo,
+            _result(),
+            {"p50_ms": 45.0, "p95_ms": 110.0, "throughput_rps": 9.8, "padding_waste": 0.38},
+        ),
+        RunRecord("bucketed", "strategy", 1.0, bucketed, _result()),
+        RunRecord("naive", "peer", 1.0, naive, _result()),
+    ]
+
+
+def test_ratio_handles_missing_values() -> None:
+    """Ratios need both numbers and a non-zero reference."""
+    assert ratio(3, 2) == 1.5
+    assert ratio(None, 2) is None and ratio(3, 0) is None
+
+
+def test_report_tables_show_ratios_against_fifo_and_the_peer(tmp_path: Path) -> None:
+    """Each row is divided by fifo's and by the naive peer's figures at the same rate."""
+    path = write_report(tmp_path, _records(), {"command": "lenbatch bench x", "machine": "m"})
+    text = path.read_text()
+    rows: dict[str, str] = {}
+    for line in text.splitlines():  # the first table is the main one
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), line)
+    cells = [c.strip() for c in rows["bucketed"].split("|")[1:-1]]
+    # tok/s vs fifo, P95 vs fifo, tok/s vs naive, P95 vs naive
+    assert cells[-4:] == ["1.50×", "0.80×", "2.00×", "0.50×"]
+    assert cells[9] == "7.0 %"  # padding waste
+    naive_cells = [c.strip() for c in rows["naive"].split("|")[1:-1]]
+    assert naive_cells[9] == "–"  # a peer reports no padding waste
+    assert "lenbatch bench x" in text and "Machine: m" in text
+
+
+def test_report_puts_predictions_beside_live_figures(tmp_path: Path) -> None:
+    """Predicted P50/P95/throughput appear with the signed difference from live."""
+    text = write_report(tmp_path, _records(), {}).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| fifo | 45.0 / 50.0"))
+    assert "| -10 % |" in line and "| +10 % |" in line  # P50 45 vs 50, P95 110 vs 100
+
+
+def test_report_without_predictions_says_why(tmp_path: Path) -> None:
+    """With no prediction at all, the report prints the given note instead of a table."""
+    records = [RunRecord(r.name, r.kind, r.rate, r.summary, r.result) for r in _records()]
+    text = write_report(tmp_path, records, {"prediction_note": "no cost model"}).read_text()
+    assert "no cost model" in text
+
+
+def test_plots_are_written_as_png(tmp_path: Path) -> None:
+    """The four plots exist, are PNG files, and are linked from the report."""
+    text = write_report(tmp_path, _records(), {}).read_text()
+    for name in ("latency_cdf.png", "throughput.png", "waste_per_bucket.png", "queue_vs_exec.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in text
+
+
+def test_rate_sweep_adds_a_plot(tmp_path: Path) -> None:
+    """With several rates, a P95-vs-throughput plot is added."""
+    recs = _records()
+    recs += [RunRecord(r.name, r.kind, 2.0, r.summary, r.result) for r in _records()]
+    write_report(tmp_path, recs, {})
+    assert (tmp_path / "rate_sweep.png").exists()
