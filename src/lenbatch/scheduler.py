@@ -75,28 +75,47 @@ def schedule(queues: Queues, now: float, cfg: SchedulerConfig) -> Decision:
     Emitted batches are counted as in flight in `queues`; the caller reports each one back
     with `queues.batch_done(batch.lane)` when it has finished.
     """
+    # This runs on every arrival, completion and timer, in the engine and (millions of times)
+    # in the simulator: keep the lane scan free of allocations and calls where it can be.
     decision = Decision()
     if queues.size == 0:
         return decision
     free = cfg.slots - queues.inflight_total
     lanes = queues.lanes
+    inflight = queues.inflight
     policies = cfg.lanes
+    budget = cfg.max_batch_tokens
     while free > 0:
         best = -1
-        best_key: tuple[int, float] = (0, _INF)
+        best_prio = 0  # ready lanes are ranked by (-head.priority, head.arrival)
+        best_arrival = _INF
         wake = _INF
-        for i, q in enumerate(lanes):
+        i = -1
+        for q in lanes:
+            i += 1
             if not q:
                 continue
             pol = policies[i]
-            if pol.quota is not None and queues.inflight[i] >= pol.quota:
+            if pol.quota is not None and inflight[i] >= pol.quota:
                 continue  # re-checked when one of its batches completes
             head = q[0]
             due = head.arrival + pol.max_wait
-            if due <= now or len(q) >= pol.max_batch or _fills_budget(q, pol, cfg):
-                key = (-head.priority, head.arrival)
-                if best < 0 or key < best_key:
-                    best, best_key = i, key
+            if (
+                due <= now
+                or len(q) >= pol.max_batch
+                # the budget can only bind when a full batch of the longest could exceed it
+                or (
+                    pol.max_batch * (pol.pad_to or pol.upper) > budget
+                    and _fills_budget(q, pol, cfg)
+                )
+            ):
+                prio = -head.priority
+                if (
+                    best < 0
+                    or prio < best_prio
+                    or (prio == best_prio and head.arrival < best_arrival)
+                ):
+                    best, best_prio, best_arrival = i, prio, head.arrival
             elif due < wake:
                 wake = due
         if best < 0:
@@ -134,16 +153,18 @@ def _take_fifo(
     q = queues.lanes[lane]
     pol = cfg.lanes[lane]
     budget = cfg.max_batch_tokens
+    max_batch = pol.max_batch
+    pad_to = pol.pad_to
     taken: list[Request] = []
     pad = 0
     expired = 0
-    while q and len(taken) < pol.max_batch:
+    while q and len(taken) < max_batch:
         r = q[0]
         if r.deadline is not None and r.deadline <= now:
             decision.expired.append(q.popleft())
             expired += 1
             continue
-        new_pad = pol.pad_to or max(pad, r.length)
+        new_pad = pad_to or (r.length if r.length > pad else pad)
         if taken and new_pad * (len(taken) + 1) > budget:
             break
         taken.append(q.popleft())
@@ -175,7 +196,7 @@ def _cut_sorted(
     if not window:
         return 0
     oldest = window[0]
-    ordered = sorted(window, key=lambda r: r.length)
+    ordered = sorted(window, key=_length)  # stable: equal lengths keep arrival order
     chunks: list[list[Request]] = []
     current: list[Request] = []
     for r in ordered:
@@ -186,13 +207,23 @@ def _cut_sorted(
             current = []
         current.append(r)
     chunks.append(current)
-    # The chunk holding the oldest request first, then by each chunk's oldest member.
-    chunks.sort(key=lambda c: (oldest not in c, min(r.arrival for r in c)))
+    if len(chunks) > 1:
+        # The chunk holding the oldest request first, then by each chunk's oldest member.
+        chunks.sort(key=lambda c: (oldest not in c, min(r.arrival for r in c)))
     run, back = chunks[:free], chunks[free:]
     for c in run:
         queues.batch_started(lane)
-        decision.batches.append(Batch(lane, c, pol.pad_to or max(r.length for r in c)))
+        # each chunk is sorted ascending, so its last member is its longest
+        decision.batches.append(Batch(lane, c, pol.pad_to or c[-1].length))
     if back:
-        leftover = sorted((r for c in back for r in c), key=lambda r: r.arrival)
+        leftover = sorted((r for c in back for r in c), key=_arrival)
         queues.push_front(leftover)
     return len(run)
+
+
+def _length(r: Request) -> int:
+    return r.length
+
+
+def _arrival(r: Request) -> float:
+    return r.arrival

@@ -1,12 +1,62 @@
-"""Options shared by the commands that read a trace (analyze, fit, simulate, tune, replay)."""
+"""Options shared by several commands: reading a trace (analyze, fit, simulate, tune, replay)
+and the batching flags (serve, simulate)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from lenbatch.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
-__all__ = ["add_trace_options", "trace_from_args"]
+__all__ = [
+    "add_batching_options",
+    "add_trace_options",
+    "batching_overrides",
+    "int_list",
+    "trace_from_args",
+]
+
+
+def int_list(text: str) -> list[int]:
+    """Parse `32,64,128` (an argparse type)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 32,64,128, got {text!r}"
+        ) from None
+
+
+def add_batching_options(p: argparse.ArgumentParser) -> None:
+    """The batching flags that override a config file (strategy is added by each command)."""
+    p.add_argument(
+        "--boundaries",
+        type=int_list,
+        metavar="B1,B2,...",
+        help="bucket upper bounds in tokens, e.g. 32,64,128 (default: the "
+        "model's default; fit your own with `lenbatch fit`)",
+    )
+    p.add_argument("--max-batch", type=int, help="most requests per batch (default 32)")
+    p.add_argument(
+        "--max-wait-ms", type=float, help="longest wait for a batch to fill, ms (default 10)"
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        help="batch token budget: size x padded length (default 8192)",
+    )
+
+
+def batching_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `batching` section of settings overrides from the flags `add_batching_options`
+    added (None values leave the config file and environment in force)."""
+    return {
+        "boundaries": args.boundaries,
+        "max_batch": args.max_batch,
+        "max_wait_ms": args.max_wait_ms,
+        "max_batch_tokens": args.max_batch_tokens,
+    }
+
 
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 

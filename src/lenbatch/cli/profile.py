@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from lenbatch.cli.serve import _int_list
+from lenbatch.cli.common import int_list
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 DEFAULT_LENGTHS = "16,32,64,128,256"
@@ -35,14 +35,14 @@ def register(sub: Any) -> None:
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads on CPU")
     p.add_argument(
         "--batch-sizes",
-        type=_int_list,
-        default=_int_list(DEFAULT_BATCH_SIZES),
+        type=int_list,
+        default=int_list(DEFAULT_BATCH_SIZES),
         metavar="B1,B2,...",
         help=f"batch sizes (default {DEFAULT_BATCH_SIZES})",
     )
     p.add_argument(
         "--lengths",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="L1,L2,...",
         help=f"padded lengths (default {DEFAULT_LENGTHS}, up to the model's limit)",
@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--boundaries",
-        type=_int_list,
+        type=int_list,
         metavar="B1,B2,...",
         help="bucket upper bounds for --memory-budget-mb (default: the profiled lengths)",
     )
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     runner = load_runner(args.model, device=args.device, torch_threads=args.torch_threads)
     limit = runner.info.max_length
-    lengths = args.lengths or [n for n in _int_list(DEFAULT_LENGTHS) if n <= limit]
+    lengths = args.lengths or [n for n in int_list(DEFAULT_LENGTHS) if n <= limit]
     print(
         f"profiling {runner.info.name} on {args.device}: batch sizes {args.batch_sizes} x "
         f"lengths {lengths}, {args.warmup} warm-up + {args.repeats} timed runs per point",

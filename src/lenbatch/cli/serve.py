@@ -7,18 +7,10 @@ import logging
 import os
 from typing import Any
 
+from lenbatch.cli.common import add_batching_options, batching_overrides
 from lenbatch.config import DecodeMode, Settings, Strategy, load_settings
 
 log = logging.getLogger("lenbatch")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 32,64,128, got {text!r}"
-        ) from None
 
 
 def register(sub: Any) -> None:
@@ -43,22 +35,7 @@ def register(sub: Any) -> None:
         choices=[s.value for s in Strategy],
         help="batching strategy (default: bucketed)",
     )
-    p.add_argument(
-        "--boundaries",
-        type=_int_list,
-        metavar="B1,B2,...",
-        help="bucket upper bounds in tokens, e.g. 32,64,128 (default: the "
-        "model's default; fit your own with `lenbatch fit`)",
-    )
-    p.add_argument("--max-batch", type=int, help="most requests per batch (default 32)")
-    p.add_argument(
-        "--max-wait-ms", type=float, help="longest wait for a batch to fill, ms (default 10)"
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        help="batch token budget: size x padded length (default 8192)",
-    )
+    add_batching_options(p)
     g = p.add_argument_group("text generation (causal LMs)")
     g.add_argument(
         "--decode-mode",
@@ -111,13 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Merge config file, environment and flags into validated settings."""
     overrides: dict[str, Any] = {
         "model": {"name": args.model, "truncate": args.truncate, "device": args.device},
-        "batching": {
-            "strategy": args.strategy,
-            "boundaries": args.boundaries,
-            "max_batch": args.max_batch,
-            "max_wait_ms": args.max_wait_ms,
-            "max_batch_tokens": args.max_batch_tokens,
-        },
+        "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
             "mode": args.decode_mode,
             "max_running": args.max_running,
