@@ -64,17 +64,24 @@ class Admission:
         if cfg.tokens_per_s is not None:
             burst = cfg.burst_tokens or cfg.tokens_per_s
             self.bucket = TokenBucket(cfg.tokens_per_s, burst, now)
+        # Both configs are frozen: compute the length limit once (check() runs per call, and
+        # per request in the simulator).
+        self._longest = self._longest_admissible()
+        self._simple = cfg.max_queue_per_bucket is None and self.bucket is None
 
-    def longest_admissible(self) -> int:
-        """The longest input that can ever be served: model limit and batch budget (0 if a
-        lane pads every row past the budget, so that nothing can run)."""
+    def _longest_admissible(self) -> int:
         for lane in self.sched.lanes:
             if lane.pad_to is not None and lane.pad_to > self.sched.max_batch_tokens:
                 return 0
         return min(self.sched.max_length, self.sched.max_batch_tokens)
 
+    def longest_admissible(self) -> int:
+        """The longest input that can ever be served: model limit and batch budget (0 if a
+        lane pads every row past the budget, so that nothing can run)."""
+        return self._longest
+
     def _never_fits(self, lengths: Sequence[int], queues: Queues) -> InputTooLong | None:
-        longest = self.longest_admissible()
+        longest = self._longest
         budget = self.sched.max_batch_tokens
         for i, n in enumerate(lengths):
             if n <= longest:
@@ -118,6 +125,13 @@ class Admission:
 
         On success the call's tokens are taken from the token bucket.
         """
+        if (
+            self._simple
+            and len(lengths) == 1
+            and lengths[0] <= self._longest
+            and queues.size < self.cfg.max_queue_total
+        ):
+            return None  # the common case, decided without building anything
         never = self._never_fits(lengths, queues)
         if never is not None:
             return never

@@ -195,6 +195,11 @@ def _cut_sorted(
     queues.size -= len(window) + expired
     if not window:
         return 0
+    if len(window) == 1:  # common at light load: nothing to sort or cut
+        queues.batch_started(lane)
+        r = window[0]
+        decision.batches.append(Batch(lane, window, pol.pad_to or r.length))
+        return 1
     oldest = window[0]
     ordered = sorted(window, key=_length)  # stable: equal lengths keep arrival order
     chunks: list[list[Request]] = []

@@ -27,6 +27,7 @@ clients, model failures (bisection), and contention between concurrent batches o
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from array import array
@@ -156,6 +157,29 @@ def lane_labels(cfg: SchedulerConfig) -> list[str]:
 
 
 def simulate(
+    trace: Trace,
+    cost: CostModel,
+    batching: BatchingConfig | None = None,
+    admission: AdmissionConfig | None = None,
+    *,
+    max_length: int = 256,
+    truncate: bool = False,
+) -> SimRun:
+    """Replay `trace` (one single-input call per row, at its arrival time) through the engine's
+    admission, queues and scheduler with service times from `cost`; run until every admitted
+    request is answered."""
+    # The loop allocates many small objects that never form cycles; the cyclic collector
+    # only costs time here (up to a third of the run), so it is paused for the replay.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(trace, cost, batching, admission, max_length=max_length, truncate=truncate)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _simulate(
     trace: Trace,
     cost: CostModel,
     batching: BatchingConfig | None = None,
