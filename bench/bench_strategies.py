@@ -2,7 +2,7 @@
 in-process (engine + MiniLM, no HTTP), side by side in one run.
 
 Workload: request lengths drawn from the dev trace (Azure LLM conversation trace) mapped onto
-MiniLM (x1/16, clipped to 256 tokens, the mapping `lenbatch fit` docs justify), each request a
+MiniLM (x0.05, clipped to 256 tokens: the mapping docs/traffic.md justifies), each request a
 window of real text (public-domain State of the Union addresses) tokenized by MiniLM's own
 tokenizer to exactly that length. Arrivals are open-loop Poisson at each given rate: every
 strategy sees the same requests at the same moments.
@@ -45,7 +45,7 @@ def corpus_ids(runner: EmbeddingRunner) -> list[int]:
 
 def workload(runner: EmbeddingRunner, n: int, seed: int) -> list[list[int]]:
     """`n` token sequences whose lengths follow the mapped dev trace."""
-    trace = map_trace(load_trace("azure-conv"), length_scale=1 / 16, max_length=256)
+    trace = map_trace(load_trace("azure-conv"), length_scale=0.05, max_length=256)
     rng = np.random.default_rng(seed)
     lengths = rng.choice(trace.input_lengths, size=n)
     ids = corpus_ids(runner)
@@ -130,7 +130,7 @@ def main() -> None:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch threads {__import__('torch').get_num_threads()}; date "
         f"{time.strftime('%Y-%m-%d')}.",
-        f"Workload: {len(seqs)} requests, lengths from the Azure conv trace x1/16 clipped to "
+        f"Workload: {len(seqs)} requests, lengths from the Azure conv trace x0.05 clipped to "
         f"256 (p50 {int(np.median(lengths))}, p95 {int(np.percentile(lengths, 95))}, "
         f"mean {lengths.mean():.0f} tokens), real State-of-the-Union text; Poisson arrivals.",
         "Default bucketed boundaries (16,32,64,128 + overlong 129-256); max_batch "
