@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-## serve the default model (all-MiniLM-L6-v2) on 127.0.0.1:8000; extra flags via ARGS="..."
+## serve the default model (all-MiniLM-L6-v2) on 127.0.0.1:8000 with buckets tuned on the dev
+## trace (configs/minilm-azure-conv.toml); extra flags via ARGS="..."
 serve: $(STAMP)
-	$(BIN)/lenbatch serve $(ARGS)
+	$(BIN)/lenbatch serve --config configs/minilm-azure-conv.toml $(ARGS)
 
 ## lint, type-check and run every test
 test: lint typecheck unit

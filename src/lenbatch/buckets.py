@@ -65,6 +65,8 @@ class BucketSet:
 
     def label(self, index: int) -> str:
         """Human-readable name of a bucket, e.g. `33-64` or `overlong(129-256)`."""
+        if index == self.overlong and self.lower(index) > self.upper(index):
+            return "overlong(none)"  # the last boundary is the model limit: nothing is overlong
         span = f"{self.lower(index)}-{self.upper(index)}"
         return f"overlong({span})" if index == self.overlong else span
 

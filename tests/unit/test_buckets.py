@@ -38,6 +38,7 @@ def test_labels_and_counts() -> None:
     bs = BucketSet((16, 64), max_length=128)
     assert bs.labels() == ["1-16", "17-64", "overlong(65-128)"]
     assert bs.counts([1, 16, 17, 64, 65, 128, 129]) == [2, 2, 2]
+    assert BucketSet((16, 128), max_length=128).labels() == ["1-16", "17-128", "overlong(none)"]
 
 
 def test_default_boundaries_cover_half_the_limit() -> None:

@@ -94,3 +94,12 @@ def test_configuration_docs_are_current() -> None:
     root = Path(__file__).resolve().parents[2]
     render = runpy.run_path(str(root / "docs" / "gen_config.py"))["render"]
     assert (root / "docs" / "configuration.md").read_text() == render(), "run `make docs`"
+
+
+def test_shipped_tuned_config_loads() -> None:
+    """The config `make serve` uses is valid and fits MiniLM's 256-token limit."""
+    root = Path(__file__).resolve().parents[2]
+    s = load_settings(root / "configs" / "minilm-azure-conv.toml", {})
+    assert s.batching.strategy is Strategy.BUCKETED
+    sc = s.batching.resolve(256)
+    assert sc.boundaries and sc.boundaries[-1] <= 256
