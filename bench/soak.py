@@ -51,9 +51,19 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen(
-        [str(BIN / "lenbatch"), "serve", "--config", "configs/minilm-azure-conv.toml",
-         "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, start_new_session=True,
+        [
+            str(BIN / "lenbatch"),
+            "serve",
+            "--config",
+            "configs/minilm-azure-conv.toml",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -80,10 +90,22 @@ def main() -> None:
         summary_file = ROOT / "out" / "soak-summary.json"
         summary_file.parent.mkdir(exist_ok=True)
         replay = [
-            str(BIN / "lenbatch"), "replay", "azure-conv", "--url", url,
-            "--length-scale", "0.05", "--max-length", "256",
-            "--rate-scale", str(args.rate_scale), "--duration", str(args.minutes * 60),
-            "--no-progress", "--json", str(summary_file),
+            str(BIN / "lenbatch"),
+            "replay",
+            "azure-conv",
+            "--url",
+            url,
+            "--length-scale",
+            "0.05",
+            "--max-length",
+            "256",
+            "--rate-scale",
+            str(args.rate_scale),
+            "--duration",
+            str(args.minutes * 60),
+            "--no-progress",
+            "--json",
+            str(summary_file),
         ]
         subprocess.run(replay, cwd=ROOT, env=env, check=True)
         stop.set()
@@ -98,6 +120,8 @@ def main() -> None:
     warm = t >= min(60.0, t[-1] / 5)  # skip the first minute: allocator and caches warm up
     slope_h = float(np.polyfit(t[warm], mb[warm], 1)[0] * 3600) if warm.sum() > 2 else 0.0
     first, last = float(mb[warm][0]), float(mb[-1])
+    half = t >= t[-1] / 2
+    half_growth = float(mb[half][-1] - mb[half][0]) if half.sum() > 1 else 0.0
     lines = [
         "# Soak: memory of one server under a long replay",
         "",
@@ -120,6 +144,8 @@ def main() -> None:
         f"| server RSS after warm-up (t={t[warm][0]:.0f} s) | {first:.1f} MB |",
         f"| server RSS at the end | {last:.1f} MB |",
         f"| growth, end minus warm-up | {last - first:+.1f} MB |",
+        f"| growth over the second half (t={t[half][0]:.0f}-{t[-1]:.0f} s) | "
+        f"{half_growth:+.1f} MB |",
         f"| trend (least squares after warm-up) | {slope_h:+.1f} MB/hour |",
         f"| server peak RSS (its own /stats) | {stats['memory'].get('peak_rss_mb', 0):.1f} MB |",
         f"| batches / padding waste (server) | {stats['batches']} / "
