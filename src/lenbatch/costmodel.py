@@ -5,6 +5,12 @@
 
 B is the batch size and L the padded length: on this hardware cost follows *padded* tokens,
 which is why padding is the thing to remove. Stored as JSON.
+
+A profile times the model alone. A live server adds work around it, which `lenbatch calibrate`
+measures from a bench run and stores in two more fields (0 in a plain profile):
+`batch_overhead_s` (per batch: collation, the worker-thread hand-off, pooling, fan-out) and
+`request_overhead_s` (per request, outside the queue: HTTP, tokenization, JSON). The simulator
+adds both; `latency()` stays the model's compute.
 """
 
 from __future__ import annotations
@@ -35,10 +41,14 @@ class CostModel:
     fit_error: float = math.nan  # relative RMS error of the latency fit on its own points
     memory_fit_error: float = math.nan  # RMS error of the memory fit / mean measured activation
     memory_method: str = ""  # how activation memory was measured (CUDA allocator, CPU RSS)
+    batch_overhead_s: float = 0.0  # a live server's extra seconds per batch (calibrated)
+    request_overhead_s: float = 0.0  # a live server's extra seconds per request (calibrated)
+    calibration: str = ""  # where the two overheads were measured, if they were
     points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
 
-    def latency(self, batch: int, padded_len: int) -> float:
-        """Predicted seconds to run `batch` rows padded to `padded_len` tokens."""
+    def latency(self, batch: float, padded_len: float) -> float:
+        """Predicted seconds to run `batch` rows padded to `padded_len` tokens (fractional
+        values give the mean over batches of those mean sizes)."""
         bl = batch * padded_len
         return (
             self.const
@@ -46,6 +56,11 @@ class CostModel:
             + self.per_token * bl
             + self.per_token_sq * bl * padded_len
         )
+
+    def batch_seconds(self, batch: int, padded_len: int) -> float:
+        """Seconds a live server's runner is busy with one batch: the model's compute plus
+        the calibrated per-batch overhead."""
+        return self.latency(batch, padded_len) + self.batch_overhead_s
 
     def activation_bytes(self, batch: int, padded_len: int) -> float:
         """Predicted activation memory of one batch (excluding weights)."""

@@ -2,7 +2,7 @@
 a virtual clock, with batch service times from a `CostModel`.
 
     trace ─► admit (model limit, Admission) ─► Queues ─► schedule() ─► wait for a runner slot
-          ─► run for cost.latency(B, L) ─► answer
+          ─► run for cost.batch_seconds(B, L) ─► answer (+ cost.request_overhead_s)
 
 What it mirrors from `lenbatch.engine.Engine`, rule by rule, so predictions match live runs:
 
@@ -20,9 +20,11 @@ What it mirrors from `lenbatch.engine.Engine`, rule by rule, so predictions matc
 * Inputs over the model limit are rejected (413) unless `truncate`; `Admission.check` refusals
   (length budget, queue bounds, token bucket) count as rejected; expired requests as errors.
 
-What it does not model: tokenization and collation time, the HTTP layer, cancellations by
-clients, model failures (bisection), and contention between concurrent batches on one device
-(each runner slot is an independent server running at the cost model's speed).
+What it does not model: cancellations by clients, model failures (bisection), contention
+between concurrent batches on one device (each runner slot is an independent server running at
+the cost model's speed), and the HTTP layer, tokenization and collation except as the two
+constant overheads a calibrated cost model carries (`lenbatch calibrate`): near capacity the
+per-request work on the same cores also slows the model, which no constant captures.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def _simulate(
     check = adm.check
     push = queues.push
     batch_done = queues.batch_done
-    latency = cost.latency
+    latency = cost.batch_seconds
     act_bytes = cost.activation_bytes
     lane_pol = cfg.lanes
     slots = cfg.slots
@@ -389,7 +391,8 @@ def _simulate(
         lengths=lengths,
         outcomes=out,
         lanes=np.asarray(lane_of_req, dtype=np.int64),
-        latencies=st + ex - arrivals,
+        # A live server's per-request work outside the queue (0 unless calibrated).
+        latencies=st + ex - arrivals + cost.request_overhead_s,
         waits=st - arrivals,
         execs=ex,
         lane_stats=stats,

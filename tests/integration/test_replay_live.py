@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from lenbatch.cli import main
+from lenbatch.costmodel import CostModel
 from lenbatch.summary import SUMMARY_KEYS
 from tests.integration.conftest import LiveServer
 
 pytestmark = pytest.mark.model
 
 MAPPING = ["--length-scale", "0.0625", "--max-length", "256", "--no-progress"]
+COST = Path(__file__).parents[2] / "bench" / "results" / "cost_minilm_cpu.json"
 
 
 def _alive(pid: int) -> bool:
@@ -47,13 +49,19 @@ def test_replay_against_lenbatch_serve(tmp_path: Path, served_minilm: LiveServer
 
 
 def test_bench_runs_a_strategy_and_the_naive_peer(tmp_path: Path) -> None:
-    """One bench run: a lenbatch strategy and the naive peer, same traffic, one report."""
+    """One bench run: a lenbatch strategy and the naive peer, same traffic, one report, with
+    the simulator's plain and calibrated predictions."""
     report = tmp_path / "report"
     argv = ["bench", "azure-conv", "--strategies", "fifo", "--peer", "naive", "--start", "40"]
-    argv += ["--duration", "2"]
+    argv += ["--duration", "2", "--cost", str(COST)]
     assert main([*argv, *MAPPING, "--report", str(report)]) == 0
     text = (report / "report.md").read_text()
     assert "| fifo |" in text and "| naive |" in text
+    assert "## Simulator prediction vs live" in text
+    assert "## Calibrated prediction" in text and "| fifo (measured here) |" in text
+    calibrated = CostModel.load(report / "calibrated_cost.json")
+    assert calibrated.calibration.startswith("fifo at rate x1:")
+    assert calibrated.const == CostModel.load(COST).const
     assert (report / "latency_cdf.png").exists()
     runs = {p.stem: json.loads(p.read_text()) for p in (report / "runs").glob("*.json")}
     assert set(runs) == {"fifo", "naive"}

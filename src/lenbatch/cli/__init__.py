@@ -13,7 +13,17 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "analyze", "fit", "profile", "simulate", "tune", "replay", "bench")
+COMMANDS = (
+    "serve",
+    "analyze",
+    "fit",
+    "profile",
+    "simulate",
+    "tune",
+    "replay",
+    "bench",
+    "calibrate",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -133,8 +133,30 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     path = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    if args.cost and args.strategies:
+        _append_calibration(path, args.cost)
     print(path)
     return 0
+
+
+def _append_calibration(report: Path, cost_path: str) -> None:
+    """Add `lenbatch calibrate`'s table to the report and write DIR/calibrated_cost.json."""
+    from lenbatch.cli.calibrate import calibrate_report
+    from lenbatch.costmodel import CostModel
+
+    try:
+        cal = calibrate_report(report.parent, CostModel.load(cost_path))
+    except ValueError as exc:  # e.g. every run failed: the report stands without it
+        print(f"bench: no calibration: {exc}", file=sys.stderr)
+        return
+    cal.cost.save(report.parent / "calibrated_cost.json")
+    with report.open("a", encoding="utf-8") as f:
+        f.write(
+            "\n## Calibrated prediction\n\n"
+            "What a live server adds to the cost model, measured on one light run, then every "
+            "run predicted again with it (`lenbatch calibrate`; the calibrated cost model is "
+            "`calibrated_cost.json`, usable by `simulate`, `sweep` and `tune`).\n\n" + cal.markdown
+        )
 
 
 def _bucketed_boundaries(

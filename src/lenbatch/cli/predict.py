@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lenbatch.cli.traffic import Traffic
-from lenbatch.config import BatchingConfig
+from lenbatch.config import BatchingConfig, Settings
 from lenbatch.costmodel import CostModel
 from lenbatch.trace import Trace
 
-__all__ = ["batching_for", "make_predictor"]
+__all__ = ["batching_for", "make_predictor", "serve_settings"]
 
 SimulateFn = Callable[..., Any]  # lenbatch.sim.simulate(trace, cost, batching, ...) -> SimRun
 
@@ -26,16 +26,22 @@ def batching_for(
     strategy: str, max_batch: int, max_wait_ms: float, serve_args: Sequence[str]
 ) -> BatchingConfig:
     """The `BatchingConfig` that `lenbatch serve --strategy S ... SERVE_ARGS` runs with."""
+    return serve_settings(
+        ["--strategy", strategy, "--max-batch", str(max_batch),
+         "--max-wait-ms", f"{max_wait_ms:g}", *serve_args]
+    ).batching  # fmt: skip
+
+
+def serve_settings(serve_argv: Sequence[str]) -> Settings:
+    """The settings `lenbatch serve SERVE_ARGV` runs with (the arguments after `serve`, as a
+    bench run record stores them)."""
     from lenbatch.cli import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
-    args = parser.parse_args(
-        ["serve", "--strategy", strategy, "--max-batch", str(max_batch),
-         "--max-wait-ms", f"{max_wait_ms:g}", *serve_args]
-    )  # fmt: skip
+    args = parser.parse_args(["serve", *serve_argv])
     # The environment is part of what `serve` reads; the bench's servers inherit it.
-    return serve.settings_from_args(args).batching
+    return serve.settings_from_args(args)
 
 
 def make_predictor(

@@ -1,0 +1,113 @@
+"""Serving overhead: what a live server adds around the model's compute, measured from one
+`lenbatch bench` run.
+
+A cost model from `lenbatch profile` times the model alone, back to back. A live server adds:
+
+* per batch: collation, the hand-off to the worker thread, pooling and fanning results out.
+  Measured as the server's own execution time per batch (`/stats`, this run only: the counters
+  after the run minus those before) minus the cost model's time for the same batch shapes
+  (each bucket's mean batch size and mean padded length);
+* per request, outside the queue: HTTP parsing, tokenization, JSON encoding, the client's own
+  work. Measured as the client's median latency minus the server's own median (from arrival at
+  the engine to the answer).
+
+Both are measured at a light rate, where little queues, then stored in the cost model
+(`batch_overhead_s`, `request_overhead_s`) so that `simulate`, `sweep` and `tune` predict what
+a client sees. Pure: works on the run records `lenbatch bench` writes (`runs/*.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lenbatch.costmodel import CostModel
+
+__all__ = ["ServingOverhead", "calibrated", "measure_overhead"]
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """A live server's extra time per batch and per request over the cost model's."""
+
+    batch_s: float
+    request_s: float
+    batches: int  # batches the per-batch figure is averaged over
+    requests: int  # answered requests the per-request figure comes from
+    source: str  # which run, for the cost model's `calibration` note
+
+
+def _bucket_totals(stats: Mapping[str, Any]) -> dict[str, tuple[float, float, float, float]]:
+    """bucket -> (batches, requests, padded tokens, exec seconds), cumulative."""
+    return {
+        b["bucket"]: (
+            float(b["batches"]),
+            float(b["requests"]),
+            float(b["padded_tokens"]),
+            float(b["batches"]) * float(b["mean_exec_ms"]) / 1000.0,
+        )
+        for b in stats.get("per_bucket", [])
+    }
+
+
+def measure_overhead(run: Mapping[str, Any], cost: CostModel) -> ServingOverhead:
+    """The serving overhead seen in one bench run of a lenbatch server (a `runs/*.json` record).
+
+    Raises ValueError if the record lacks the server's `/stats` or ran no batch.
+    """
+    result = run["result"]
+    before, after = result.get("stats_before"), result.get("stats_after")
+    if not before or not after:
+        raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
+    start = _bucket_totals(before)
+    live_exec = model_exec = 0.0
+    batches = 0.0
+    for bucket, (b1, r1, p1, e1) in _bucket_totals(after).items():
+        b0, r0, p0, e0 = start.get(bucket, (0.0, 0.0, 0.0, 0.0))
+        nb, nr, npad, ex = b1 - b0, r1 - r0, p1 - p0, e1 - e0
+        if nb <= 0 or nr <= 0:
+            continue
+        mean_b = nr / nb
+        mean_len = npad / nr  # padded tokens per row = the batches' mean padded length
+        # latency() is linear in B for a given L, so the mean batch size gives the mean time
+        # exactly; the mean padded length only up to the L^2 term's spread within one bucket.
+        model_exec += nb * cost.latency(mean_b, mean_len)
+        live_exec += ex
+        batches += nb
+    if batches == 0:
+        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
+    sent = np.asarray(result["sent"], dtype=np.float64)
+    done = np.asarray(result["done"], dtype=np.float64)
+    ok = np.asarray(result["status"]) == 200
+    if not ok.any():
+        raise ValueError(f"run {run.get('name')!r} has no answered request")
+    client_p50 = float(np.median(done[ok] - sent[ok]))
+    server_p50 = after.get("p50_ms")
+    if server_p50 is None:
+        raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
+    rate = run.get("rate", 1.0)
+    return ServingOverhead(
+        batch_s=(live_exec - model_exec) / batches,
+        request_s=client_p50 - float(server_p50) / 1000.0,
+        batches=int(batches),
+        requests=int(ok.sum()),
+        source=f"{run.get('name')} at rate x{rate:g}",
+    )
+
+
+def calibrated(cost: CostModel, overhead: ServingOverhead) -> CostModel:
+    """`cost` with the measured overheads (negative measurements count as 0)."""
+    return dataclasses.replace(
+        cost,
+        batch_overhead_s=max(0.0, overhead.batch_s),
+        request_overhead_s=max(0.0, overhead.request_s),
+        calibration=(
+            f"{overhead.source}: +{1000 * overhead.batch_s:.1f} ms per batch over "
+            f"{overhead.batches} batches, +{1000 * overhead.request_s:.1f} ms per request "
+            f"(median over {overhead.requests})"
+        ),
+    )

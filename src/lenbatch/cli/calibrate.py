@@ -1,0 +1,159 @@
+"""`lenbatch calibrate REPORT_DIR --cost FILE`: measure what a live server adds to the cost
+model (from one run of a `lenbatch bench` report), check the calibrated prediction against every
+lenbatch run of that report, and write the calibrated cost model.
+
+`lenbatch bench --cost` does the same at the end of its report when it ran more than one rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lenbatch.calibration import ServingOverhead, calibrated, measure_overhead
+from lenbatch.costmodel import CostModel
+
+__all__ = ["Calibration", "calibrate_report", "register", "run"]
+
+
+def register(sub: Any) -> None:
+    """Add the `calibrate` subcommand."""
+    p = sub.add_parser(
+        "calibrate",
+        help="measure a live server's overhead over the cost model from a bench report",
+        description="Read a `lenbatch bench` report's runs/*.json; from one lenbatch run (by "
+        "default `bucketed` at its lightest rate) measure the extra seconds per batch (server "
+        "execution time vs the cost model for the same batch shapes) and per request (client "
+        "median latency minus the server's own); re-simulate every lenbatch run with and "
+        "without them and print predicted vs live. Run it from where the bench ran (the runs' "
+        "--config paths are relative to it).",
+    )
+    p.add_argument("report", metavar="DIR", help="a `lenbatch bench --report` folder")
+    p.add_argument("--cost", required=True, metavar="FILE", help="cost model JSON to calibrate")
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="RUN",
+        help="the run to measure, as its file name without .json, e.g. 'bucketed@x0.3' "
+        "(default: bucketed at its lightest rate, else the lightest run)",
+    )
+    p.add_argument("--out", metavar="FILE", help="write the calibrated cost model here")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table here")
+    p.set_defaults(run=run)
+
+
+@dataclass
+class Calibration:
+    """The measured overhead, the calibrated cost model and the predicted-vs-live table."""
+
+    overhead: ServingOverhead
+    cost: CostModel
+    markdown: str
+
+
+def _load_runs(report_dir: Path) -> dict[str, dict[str, Any]]:
+    runs = {}
+    for path in sorted((report_dir / "runs").glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("kind") == "strategy":
+            runs[path.stem] = record
+    if not runs:
+        raise ValueError(f"{report_dir}/runs has no lenbatch strategy runs")
+    return runs
+
+
+def _default_source(runs: dict[str, dict[str, Any]]) -> str:
+    bucketed = [k for k, r in runs.items() if r["name"] == "bucketed"]
+    pool = bucketed or list(runs)
+    return min(pool, key=lambda k: runs[k]["rate"])
+
+
+def _predict(record: dict[str, Any], cost: CostModel) -> dict[str, Any]:
+    """The simulator's summary for the traffic this run sent, with the server's settings."""
+    from lenbatch.cli.predict import serve_settings
+    from lenbatch.sim import simulate
+    from lenbatch.textgen import model_max_length
+    from lenbatch.trace import Trace
+
+    command = record["command"]
+    settings = serve_settings(command[command.index("serve") + 1 :])
+    limit = model_max_length(settings.model.name) or 512
+    result = record["result"]
+    trace = Trace(input_lengths=result["lengths"], arrivals=result["scheduled"], source="run")
+    summary: dict[str, Any] = simulate(trace, cost, settings.batching, max_length=limit).summary()
+    return summary
+
+
+def _diff(pred: float | None, live: float | None) -> str:
+    if pred is None or live is None or not live:
+        return "–"
+    return f"{100 * (pred - live) / live:+.0f} %"
+
+
+def _given(cost: CostModel) -> str:
+    if not cost.calibration:
+        return "the model's compute alone"
+    source = cost.calibration.split(":")[0]
+    return (
+        f"already calibrated: +{1000 * cost.batch_overhead_s:.1f} ms per batch, "
+        f"+{1000 * cost.request_overhead_s:.1f} ms per request, from {source}"
+    )
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def calibrate_report(
+    report_dir: str | Path, cost: CostModel, source: str | None = None
+) -> Calibration:
+    """Measure the overhead in `source` (a run file's stem), re-simulate every lenbatch run of
+    the report with the raw and the calibrated cost model, and tabulate against live."""
+    runs = _load_runs(Path(report_dir))
+    source = source or _default_source(runs)
+    if source not in runs:
+        raise ValueError(f"no lenbatch run {source!r} in {report_dir}; have {', '.join(runs)}")
+    overhead = measure_overhead(runs[source], cost)
+    cal = calibrated(cost, overhead)
+    lines = [
+        f"Serving overhead measured on `{source}`: **+{1000 * overhead.batch_s:.1f} ms per "
+        f"batch** (server execution time vs the cost model for the same batch shapes, "
+        f"{overhead.batches} batches) and **+{1000 * overhead.request_s:.1f} ms per request** "
+        f"(client median latency minus the server's own, {overhead.requests} requests). "
+        "Each lenbatch run simulated with the given cost model "
+        f"({_given(cost)}) and with these two overheads instead:",
+        "",
+        "| run | P50 ms given / calibrated / live | P50 diff given / cal. | "
+        "P95 ms given / calibrated / live | P95 diff given / cal. | "
+        "req/s calibrated / live | diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in sorted(runs, key=lambda k: (runs[k]["rate"], runs[k]["name"])):
+        live = runs[name]["summary"]
+        given, calib = _predict(runs[name], cost), _predict(runs[name], cal)
+        mark = " (measured here)" if name == source else ""
+        lines.append(
+            f"| {name}{mark} | {_num(given['p50_ms'])} / {_num(calib['p50_ms'])} / "
+            f"{_num(live['p50_ms'])} | {_diff(given['p50_ms'], live['p50_ms'])} / "
+            f"{_diff(calib['p50_ms'], live['p50_ms'])} | {_num(given['p95_ms'])} / "
+            f"{_num(calib['p95_ms'])} / {_num(live['p95_ms'])} | "
+            f"{_diff(given['p95_ms'], live['p95_ms'])} / {_diff(calib['p95_ms'], live['p95_ms'])}"
+            f" | {_num(calib['throughput_rps'], 2)} / {_num(live['throughput_rps'], 2)} | "
+            f"{_diff(calib['throughput_rps'], live['throughput_rps'])} |"
+        )
+    return Calibration(overhead, cal, "\n".join(lines) + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the calibration table; write the calibrated cost model if asked."""
+    cal = calibrate_report(args.report, CostModel.load(args.cost), args.source)
+    print(cal.markdown, end="")
+    if args.markdown:
+        Path(args.markdown).write_text(cal.markdown, encoding="utf-8")
+    if args.out:
+        cal.cost.save(args.out)
+        print(f"wrote {args.out} ({cal.cost.calibration})")
+    return 0

@@ -1,0 +1,184 @@
+"""Serving-overhead calibration: measured from bench run records, carried by the cost model,
+applied by the simulator, and the `lenbatch calibrate` command end to end on a fake report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lenbatch.calibration import ServingOverhead, calibrated, measure_overhead
+from lenbatch.cli import main
+from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.costmodel import CostModel
+from lenbatch.sim import simulate
+from lenbatch.trace import Trace
+
+EXACT = 1e-9
+COST = CostModel(
+    const=0.02,
+    per_row=0.001,
+    per_token=0.0002,
+    per_token_sq=1e-7,
+    fit_error=0.05,
+    memory_fit_error=0.1,
+)
+
+
+def _bucket(label: str, batches: int, requests: int, padded: int, exec_s: float) -> dict[str, Any]:
+    return {
+        "bucket": label,
+        "batches": batches,
+        "requests": requests,
+        "padded_tokens": padded,
+        "mean_exec_ms": 1000 * exec_s / batches if batches else 0.0,
+    }
+
+
+def _run_record(batch_extra: float, request_extra: float, server_p50_ms: float) -> dict[str, Any]:
+    """A lenbatch run whose server executed, beyond warm-up, 10 batches of 2 rows padded to 20
+    tokens (bucket 1-32) and 5 of 1 row padded to 100 (bucket 33-128), each `batch_extra`
+    seconds slower than COST; clients saw the server's median plus `request_extra`."""
+    before = {
+        "p50_ms": 1.0,
+        "per_bucket": [_bucket("1-32", 1, 1, 20, 0.5), _bucket("33-128", 0, 0, 0, 0.0)],
+    }
+    after = {
+        "p50_ms": server_p50_ms,
+        "per_bucket": [
+            _bucket(
+                "1-32", 11, 21, 20 + 10 * 2 * 20, 0.5 + 10 * (COST.latency(2, 20) + batch_extra)
+            ),
+            _bucket("33-128", 5, 5, 5 * 100, 5 * (COST.latency(1, 100) + batch_extra)),
+        ],
+    }
+    n = 25
+    sent = np.arange(n, dtype=float)
+    latency = server_p50_ms / 1000 + request_extra
+    return {
+        "name": "bucketed",
+        "kind": "strategy",
+        "rate": 0.5,
+        "result": {
+            "sent": sent.tolist(),
+            "done": (sent + latency).tolist(),
+            "status": [200] * n,
+            "stats_before": before,
+            "stats_after": after,
+        },
+    }
+
+
+def test_overheads_measured_exactly_from_the_runs_own_counters() -> None:
+    """Warm-up counters are subtracted; the model's time for the same shapes is subtracted."""
+    o = measure_overhead(_run_record(0.007, 0.012, 40.0), COST)
+    assert o.batch_s == pytest.approx(0.007, abs=EXACT)
+    assert o.request_s == pytest.approx(0.012, abs=EXACT)
+    assert (o.batches, o.requests) == (15, 25)
+    assert o.source == "bucketed at rate x0.5"
+
+
+def test_a_peer_run_without_stats_is_refused() -> None:
+    record = _run_record(0.0, 0.0, 10.0)
+    record["result"]["stats_before"] = None
+    with pytest.raises(ValueError, match="no /stats"):
+        measure_overhead(record, COST)
+
+
+def test_calibrated_cost_keeps_the_model_and_clamps_negative_overheads(tmp_path: Path) -> None:
+    cal = calibrated(COST, ServingOverhead(-0.001, 0.009, 10, 20, "fifo at rate x1"))
+    assert (cal.batch_overhead_s, cal.request_overhead_s) == (0.0, 0.009)
+    assert cal.latency(4, 64) == COST.latency(4, 64)  # the model's compute is unchanged
+    assert cal.batch_seconds(4, 64) == COST.latency(4, 64)
+    assert "fifo at rate x1" in cal.calibration
+    cal.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json") == cal
+
+
+def test_a_cost_model_written_before_calibration_existed_still_loads(tmp_path: Path) -> None:
+    data = COST.to_json()
+    for key in ("batch_overhead_s", "request_overhead_s", "calibration"):
+        del data[key]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert CostModel.load(tmp_path / "old.json") == COST
+
+
+def test_simulator_adds_batch_overhead_to_service_and_request_overhead_to_latency() -> None:
+    """Sparse arrivals, fifo with 10 ms max wait: latency = wait + model + batch overhead +
+    request overhead, exactly; the runner is busy for model + batch overhead."""
+    t = Trace(np.asarray([10, 50, 10]), np.asarray([0.0, 5.0, 10.0]))
+    cfg = BatchingConfig(strategy=Strategy.FIFO, max_wait_ms=10)
+    cost = CostModel(const=0.05, per_token=0.001, batch_overhead_s=0.004, request_overhead_s=0.02)
+    run = simulate(t, cost, cfg)
+    model = [0.05 + 0.001 * 10, 0.05 + 0.001 * 50, 0.05 + 0.001 * 10]
+    assert run.latencies == pytest.approx([0.01 + m + 0.004 + 0.02 for m in model], abs=EXACT)
+    assert run.execs == pytest.approx([m + 0.004 for m in model], abs=EXACT)
+
+
+def test_batch_overhead_delays_requests_queued_behind_a_batch() -> None:
+    """Two back-to-back full batches of one: the second starts when the first's model time and
+    overhead have passed."""
+    t = Trace(np.asarray([10, 10]), np.asarray([0.0, 0.0]))
+    cfg = BatchingConfig(strategy=Strategy.FIFO, max_batch=1, max_wait_ms=10, prefetch_batches=0)
+    run = simulate(t, CostModel(const=0.1, batch_overhead_s=0.01), cfg)
+    assert run.latencies == pytest.approx([0.11, 0.22], abs=EXACT)
+
+
+def _report(tmp_path: Path) -> Path:
+    """A bench report folder with two bucketed runs of MiniLM (light and 4x) and a peer."""
+    runs = tmp_path / "report" / "runs"
+    runs.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for tag, rate in (("bucketed@x0.25", 0.25), ("bucketed", 1.0)):
+        record = _run_record(0.006, 0.010, 45.0)
+        n = len(record["result"]["sent"])
+        record["rate"] = rate
+        record["command"] = ["python", "-c", "...", "serve", "--model", "minilm",
+                             "--strategy", "bucketed", "--max-batch", "32",
+                             "--max-wait-ms", "10", "--port", "1"]  # fmt: skip
+        record["result"]["scheduled"] = np.sort(rng.uniform(0, 10 / rate, n)).tolist()
+        record["result"]["lengths"] = rng.integers(5, 200, n).tolist()
+        record["summary"] = {"p50_ms": 60.0, "p95_ms": 120.0, "throughput_rps": 2.5}
+        (runs / f"{tag}.json").write_text(json.dumps(record))
+    (runs / "naive.json").write_text(json.dumps({"name": "naive", "kind": "peer"}))
+    return tmp_path / "report"
+
+
+def test_calibrate_command_measures_the_lightest_bucketed_run_and_writes_the_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = _report(tmp_path)
+    COST.save(tmp_path / "cost.json")
+    out = tmp_path / "calibrated.json"
+    md = tmp_path / "cal.md"
+    status = main(
+        ["calibrate", str(report), "--cost", str(tmp_path / "cost.json"),
+         "--out", str(out), "--markdown", str(md)]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "measured on `bucketed@x0.25`" in printed
+    assert "+6.0 ms per batch" in printed and "+10.0 ms per request" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("| bucketed")]
+    assert [r.split(" |")[0] for r in rows] == ["| bucketed@x0.25 (measured here)", "| bucketed"]
+    assert md.read_text() in printed
+    cal = CostModel.load(out)
+    assert cal.batch_overhead_s == pytest.approx(0.006, abs=EXACT)
+    assert cal.request_overhead_s == pytest.approx(0.010, abs=EXACT)
+    assert cal.const == COST.const
+
+
+def test_calibrate_command_names_the_runs_when_the_source_is_unknown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = _report(tmp_path)
+    COST.save(tmp_path / "cost.json")
+    status = main(
+        ["calibrate", str(report), "--cost", str(tmp_path / "cost.json"), "--from", "fifo"]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "no lenbatch run 'fifo'" in err and "bucketed@x0.25" in err
