@@ -129,6 +129,16 @@ def _tree_rss(root: int) -> int:
     return total
 
 
+def _cpu_seconds(stat_path: str) -> float | None:
+    """utime + stime of a /proc stat file, in seconds; None if unreadable."""
+    try:
+        with open(stat_path, encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
+
+
 class ServerProcess:
     """A server subprocess in its own process group, with a peak-RSS sampler."""
 
@@ -154,6 +164,17 @@ class ServerProcess:
     def _sample(self) -> None:
         while not self._stop_sampling.wait(0.25):
             self.peak_rss = max(self.peak_rss, _tree_rss(self.proc.pid))
+
+    def cpu_seconds(self) -> dict[str, float] | None:
+        """CPU seconds so far of the server's main thread (for `lenbatch serve`, its event
+        loop: HTTP, JSON, tokenization, scheduling) and of its whole process; None where
+        /proc cannot tell."""
+        pid = self.proc.pid
+        loop = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+        process = _cpu_seconds(f"/proc/{pid}/stat")
+        if loop is None or process is None:
+            return None
+        return {"loop_s": loop, "process_s": process}
 
     def log_tail(self, n: int = 2000) -> str:
         """The end of the server's output."""
@@ -278,6 +299,7 @@ def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
     try:
         ready_s = server.wait_ready()
         _warm_up(server.url, cfg.endpoint, cfg.warmup)
+        cpu_before = server.cpu_seconds()
         result = asyncio.run(
             replay(
                 server.url,
@@ -289,12 +311,20 @@ def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
                 progress=cfg.progress,
             )
         )
+        cpu_after = server.cpu_seconds()
     finally:
         returncode = server.stop()
     summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
     summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
     summary["peak_memory_mb"] = server.peak_rss / 2**20 if server.peak_rss else None
     summary["startup_s"] = ready_s
+    # The server's CPU time during the replay: the calibration's per-request CPU share.
+    summary["server_cpu"] = (
+        {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
+        if cpu_before is not None and cpu_after is not None
+        else None
+    )
+    summary["cpu_count"] = os.cpu_count()
     predicted = None
     if cfg.predictor is not None and target.kind == "strategy":
         predicted = cfg.predictor(target.name, rate)

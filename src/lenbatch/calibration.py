@@ -11,9 +11,16 @@ A cost model from `lenbatch profile` times the model alone, back to back. A live
   work. Measured as the client's median latency minus the server's own median (from arrival at
   the engine to the answer).
 
-Both are measured at a light rate, where little queues, then stored in the cost model
-(`batch_overhead_s`, `request_overhead_s`) so that `simulate`, `sweep` and `tune` predict what
-a client sees. Pure: works on the run records `lenbatch bench` writes (`runs/*.json`).
+* CPU time per request outside the model, on the same cores: the server's event-loop thread
+  (HTTP, JSON, tokenization, scheduling) and, when it shares the machine as in `lenbatch bench`,
+  the load driver. Under load this work takes a share of the cores from the model, which then
+  runs `cores / (cores - rate * cpu)` times slower: what makes a server near capacity slower
+  than any constant predicts.
+
+All are measured on one run, by default at a light rate where little queues, then stored in the
+cost model (`batch_overhead_s`, `request_overhead_s`, `cpu_per_request_s`, `cpu_cores`) so that
+`simulate`, `sweep` and `tune` predict what a client sees. Pure: works on the run records
+`lenbatch bench` writes (`runs/*.json`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ class ServingOverhead:
     batches: int  # batches the per-batch figure is averaged over
     requests: int  # answered requests the per-request figure comes from
     source: str  # which run, for the cost model's `calibration` note
+    loop_cpu_s: float | None = None  # server event-loop CPU seconds per request
+    driver_cpu_s: float | None = None  # load-driver CPU seconds per request
+    cores: int | None = None  # the machine's cores
+
+    @property
+    def cpu_per_request_s(self) -> float | None:
+        """CPU seconds per request outside the model (server loop + driver), if measured."""
+        if self.loop_cpu_s is None or self.driver_cpu_s is None:
+            return None
+        return self.loop_cpu_s + self.driver_cpu_s
 
 
 def _bucket_totals(stats: Mapping[str, Any]) -> dict[str, tuple[float, float, float, float]]:
@@ -90,24 +107,56 @@ def measure_overhead(run: Mapping[str, Any], cost: CostModel) -> ServingOverhead
     if server_p50 is None:
         raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
     rate = run.get("rate", 1.0)
+    n = len(sent)
+    summary = run.get("summary", {})
+    server_cpu = summary.get("server_cpu")
+    cores = summary.get("cpu_count")
+    loop_cpu = driver_cpu = None
+    slowdown = 1.0
+    if server_cpu and cores and result.get("driver_cpu_s") is not None:
+        loop_cpu = float(server_cpu["loop_s"]) / n
+        driver_cpu = float(result["driver_cpu_s"]) / n
+        # Batches in this very run were slowed by its own rate; take that out of the constant.
+        duration = float(result.get("wall_s") or 0.0)
+        if duration > 0:
+            probe = CostModel(const=0.0, cpu_per_request_s=loop_cpu + driver_cpu, cpu_cores=cores)
+            slowdown = probe.slowdown(n / duration)
     return ServingOverhead(
-        batch_s=(live_exec - model_exec) / batches,
+        batch_s=(live_exec / slowdown - model_exec) / batches,
         request_s=client_p50 - float(server_p50) / 1000.0,
         batches=int(batches),
         requests=int(ok.sum()),
         source=f"{run.get('name')} at rate x{rate:g}",
+        loop_cpu_s=loop_cpu,
+        driver_cpu_s=driver_cpu,
+        cores=int(cores) if cores else None,
     )
 
 
-def calibrated(cost: CostModel, overhead: ServingOverhead) -> CostModel:
-    """`cost` with the measured overheads (negative measurements count as 0)."""
+def calibrated(
+    cost: CostModel, overhead: ServingOverhead, *, with_driver: bool = True
+) -> CostModel:
+    """`cost` with the measured overheads (negative measurements count as 0). Without
+    `with_driver`, the load driver's CPU is left out: for predicting a server whose clients
+    run elsewhere."""
+    cpu = overhead.cpu_per_request_s
+    if cpu is not None and not with_driver:
+        cpu = overhead.loop_cpu_s
+    note = (
+        f"{overhead.source}: +{1000 * overhead.batch_s:.1f} ms per batch over "
+        f"{overhead.batches} batches, +{1000 * overhead.request_s:.1f} ms per request "
+        f"(median over {overhead.requests})"
+    )
+    if cpu is None:
+        note += "; CPU per request not measured"
+    else:
+        who = "server loop + load driver" if with_driver else "server loop"
+        note += f", {1000 * cpu:.1f} ms CPU per request ({who}) on {overhead.cores} cores"
     return dataclasses.replace(
         cost,
         batch_overhead_s=max(0.0, overhead.batch_s),
         request_overhead_s=max(0.0, overhead.request_s),
-        calibration=(
-            f"{overhead.source}: +{1000 * overhead.batch_s:.1f} ms per batch over "
-            f"{overhead.batches} batches, +{1000 * overhead.request_s:.1f} ms per request "
-            f"(median over {overhead.requests})"
-        ),
+        cpu_per_request_s=max(0.0, cpu or 0.0),
+        cpu_cores=overhead.cores or 1,
+        calibration=note,
     )

@@ -7,10 +7,13 @@ B is the batch size and L the padded length: on this hardware cost follows *padd
 which is why padding is the thing to remove. Stored as JSON.
 
 A profile times the model alone. A live server adds work around it, which `lenbatch calibrate`
-measures from a bench run and stores in two more fields (0 in a plain profile):
-`batch_overhead_s` (per batch: collation, the worker-thread hand-off, pooling, fan-out) and
-`request_overhead_s` (per request, outside the queue: HTTP, tokenization, JSON). The simulator
-adds both; `latency()` stays the model's compute.
+measures from a bench run and stores in more fields (all 0 in a plain profile):
+`batch_overhead_s` (per batch: collation, the worker-thread hand-off, pooling, fan-out),
+`request_overhead_s` (per request, outside the queue: HTTP, tokenization, JSON), and
+`cpu_per_request_s` on `cpu_cores` cores: CPU time each request costs outside the model on the
+same machine (the server's event loop, and a load driver if it shares the machine), which
+slows the model by `cores / (cores - rate * cpu_per_request_s)` at a given request rate. The
+simulator applies all three; `latency()` stays the model's compute.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class CostModel:
     memory_method: str = ""  # how activation memory was measured (CUDA allocator, CPU RSS)
     batch_overhead_s: float = 0.0  # a live server's extra seconds per batch (calibrated)
     request_overhead_s: float = 0.0  # a live server's extra seconds per request (calibrated)
-    calibration: str = ""  # where the two overheads were measured, if they were
+    cpu_per_request_s: float = 0.0  # CPU seconds per request outside the model (calibrated)
+    cpu_cores: int = 1  # cores that work and the model share
+    calibration: str = ""  # where the overheads were measured, if they were
     points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
 
     def latency(self, batch: float, padded_len: float) -> float:
@@ -61,6 +66,15 @@ class CostModel:
         """Seconds a live server's runner is busy with one batch: the model's compute plus
         the calibrated per-batch overhead."""
         return self.latency(batch, padded_len) + self.batch_overhead_s
+
+    def slowdown(self, request_rate: float) -> float:
+        """How much slower batches run while requests arrive at `request_rate` per second,
+        because their CPU work outside the model takes a share of the cores (1.0 when not
+        calibrated; capped at 10x where that work would need every core)."""
+        if self.cpu_per_request_s <= 0:
+            return 1.0
+        share = min(0.9, request_rate * self.cpu_per_request_s / max(1, self.cpu_cores))
+        return 1.0 / (1.0 - share)
 
     def activation_bytes(self, batch: int, padded_len: int) -> float:
         """Predicted activation memory of one batch (excluding weights)."""

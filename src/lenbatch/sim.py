@@ -2,7 +2,8 @@
 a virtual clock, with batch service times from a `CostModel`.
 
     trace ─► admit (model limit, Admission) ─► Queues ─► schedule() ─► wait for a runner slot
-          ─► run for cost.batch_seconds(B, L) ─► answer (+ cost.request_overhead_s)
+          ─► run for cost.batch_seconds(B, L) x cost.slowdown(recent request rate)
+          ─► answer (+ cost.request_overhead_s)
 
 What it mirrors from `lenbatch.engine.Engine`, rule by rule, so predictions match live runs:
 
@@ -22,9 +23,9 @@ What it mirrors from `lenbatch.engine.Engine`, rule by rule, so predictions matc
 
 What it does not model: cancellations by clients, model failures (bisection), contention
 between concurrent batches on one device (each runner slot is an independent server running at
-the cost model's speed), and the HTTP layer, tokenization and collation except as the two
-constant overheads a calibrated cost model carries (`lenbatch calibrate`): near capacity the
-per-request work on the same cores also slows the model, which no constant captures.
+the cost model's speed), and the HTTP layer, tokenization and collation except as a
+calibrated cost model carries them (`lenbatch calibrate`): a constant per batch, a constant per
+request, and a slowdown of the model by the CPU share that the last second's requests take.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import gc
 import heapq
 import math
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
@@ -223,6 +225,8 @@ def _simulate(
     push = queues.push
     batch_done = queues.batch_done
     latency = cost.batch_seconds
+    slowdown = cost.slowdown
+    contended = cost.cpu_per_request_s > 0
     act_bytes = cost.activation_bytes
     lane_pol = cfg.lanes
     slots = cfg.slots
@@ -268,6 +272,9 @@ def _simulate(
         runners_free -= 1
         size = len(reqs)
         dt = latency(size, pad)
+        if contended:  # the request rate over the last second slows the model (calibrated)
+            recent = bisect_right(arr_list, now) - bisect_left(arr_list, now - 1.0)
+            dt *= slowdown(float(recent))
         log_extend((batch.lane, now, dt, pad, size))
         ran_append(reqs)
         ab = 0.0

@@ -70,6 +70,8 @@ def test_bench_runs_a_strategy_and_the_naive_peer(tmp_path: Path) -> None:
     assert fifo["completed"] == fifo["requests"] and naive["completed"] == naive["requests"]
     assert runs["fifo"]["result"]["lengths"] == runs["naive"]["result"]["lengths"]
     assert fifo["padding_waste"] is not None and naive["padding_waste"] is None
+    cpu = fifo["server_cpu"]  # read from /proc during the replay: the loop did the HTTP work
+    assert cpu["process_s"] >= cpu["loop_s"] > 0
     assert fifo["peak_memory_mb"] > 100 and naive["peak_memory_mb"] > 100
     assert sys.executable in runs["naive"]["command"]
     for run in runs.values():  # every server process is gone once the bench returns

@@ -38,10 +38,17 @@ def _bucket(label: str, batches: int, requests: int, padded: int, exec_s: float)
     }
 
 
-def _run_record(batch_extra: float, request_extra: float, server_p50_ms: float) -> dict[str, Any]:
+def _run_record(
+    batch_extra: float,
+    request_extra: float,
+    server_p50_ms: float,
+    slowdown: float = 1.0,
+    cpu: tuple[float, float, int] | None = None,
+) -> dict[str, Any]:
     """A lenbatch run whose server executed, beyond warm-up, 10 batches of 2 rows padded to 20
     tokens (bucket 1-32) and 5 of 1 row padded to 100 (bucket 33-128), each `batch_extra`
-    seconds slower than COST; clients saw the server's median plus `request_extra`."""
+    seconds slower than COST and then `slowdown` times slower; clients saw the server's median
+    plus `request_extra`. `cpu`: (server loop CPU s, driver CPU s, cores) over the 25 s run."""
     before = {
         "p50_ms": 1.0,
         "per_bucket": [_bucket("1-32", 1, 1, 20, 0.5), _bucket("33-128", 0, 0, 0, 0.0)],
@@ -50,26 +57,37 @@ def _run_record(batch_extra: float, request_extra: float, server_p50_ms: float) 
         "p50_ms": server_p50_ms,
         "per_bucket": [
             _bucket(
-                "1-32", 11, 21, 20 + 10 * 2 * 20, 0.5 + 10 * (COST.latency(2, 20) + batch_extra)
+                "1-32",
+                11,
+                21,
+                20 + 10 * 2 * 20,
+                0.5 + 10 * (COST.latency(2, 20) + batch_extra) * slowdown,
             ),
-            _bucket("33-128", 5, 5, 5 * 100, 5 * (COST.latency(1, 100) + batch_extra)),
+            _bucket("33-128", 5, 5, 5 * 100, 5 * (COST.latency(1, 100) + batch_extra) * slowdown),
         ],
     }
     n = 25
     sent = np.arange(n, dtype=float)
     latency = server_p50_ms / 1000 + request_extra
-    return {
+    record: dict[str, Any] = {
         "name": "bucketed",
         "kind": "strategy",
         "rate": 0.5,
+        "summary": {},
         "result": {
             "sent": sent.tolist(),
             "done": (sent + latency).tolist(),
             "status": [200] * n,
             "stats_before": before,
             "stats_after": after,
+            "wall_s": 25.0,
         },
     }
+    if cpu is not None:
+        loop, driver, cores = cpu
+        record["summary"] = {"server_cpu": {"loop_s": loop, "process_s": 9.0}, "cpu_count": cores}
+        record["result"]["driver_cpu_s"] = driver
+    return record
 
 
 def test_overheads_measured_exactly_from_the_runs_own_counters() -> None:
@@ -79,6 +97,53 @@ def test_overheads_measured_exactly_from_the_runs_own_counters() -> None:
     assert o.request_s == pytest.approx(0.012, abs=EXACT)
     assert (o.batches, o.requests) == (15, 25)
     assert o.source == "bucketed at rate x0.5"
+
+
+def test_cpu_per_request_measured_and_its_slowdown_taken_out_of_the_batch_constant() -> None:
+    """25 requests in 25 s with 0.5 s server-loop and 1.0 s driver CPU: 60 ms per request on
+    2 cores is a 3 % share, so batches ran 1/0.97 slower; the per-batch constant excludes it."""
+    share = 1.0 * (0.5 + 1.0) / 25 / 2
+    o = measure_overhead(
+        _run_record(0.007, 0.012, 40.0, slowdown=1 / (1 - share), cpu=(0.5, 1.0, 2)), COST
+    )
+    assert o.loop_cpu_s == pytest.approx(0.02, abs=EXACT)
+    assert o.driver_cpu_s == pytest.approx(0.04, abs=EXACT)
+    assert o.cpu_per_request_s == pytest.approx(0.06, abs=EXACT)
+    assert o.cores == 2
+    assert o.batch_s == pytest.approx(0.007, abs=EXACT)
+    cal = calibrated(COST, o)
+    assert (cal.cpu_per_request_s, cal.cpu_cores) == (pytest.approx(0.06), 2)
+    assert cal.slowdown(1.0) == pytest.approx(1 / (1 - share))
+    assert "server loop + load driver" in cal.calibration
+    server_only = calibrated(COST, o, with_driver=False)
+    assert server_only.cpu_per_request_s == pytest.approx(0.02, abs=EXACT)
+    assert "(server loop) on 2 cores" in server_only.calibration
+
+
+def test_a_run_recorded_without_cpu_times_calibrates_the_constants_only() -> None:
+    o = measure_overhead(_run_record(0.007, 0.012, 40.0), COST)
+    assert o.cpu_per_request_s is None
+    cal = calibrated(COST, o)
+    assert cal.cpu_per_request_s == 0.0 and cal.slowdown(100.0) == 1.0
+    assert "CPU per request not measured" in cal.calibration
+
+
+def test_slowdown_is_the_cores_left_to_the_model_and_is_capped() -> None:
+    cost = CostModel(const=0.1, cpu_per_request_s=0.05, cpu_cores=2)
+    assert cost.slowdown(0.0) == 1.0
+    assert cost.slowdown(10.0) == pytest.approx(2 / (2 - 0.5))
+    assert cost.slowdown(1000.0) == pytest.approx(10.0)
+    assert CostModel(const=0.1).slowdown(1000.0) == 1.0
+
+
+def test_simulator_slows_batches_by_the_last_seconds_request_rate() -> None:
+    """CPU 0.25 s per request on one core: the first batch starts with one arrival in the last
+    second (x1/0.75), the second with two (x1/0.5)."""
+    t = Trace(np.asarray([10, 10]), np.asarray([0.0, 0.5]))
+    cfg = BatchingConfig(strategy=Strategy.FIFO, max_batch=1, max_wait_ms=10, prefetch_batches=0)
+    run = simulate(t, CostModel(const=0.1, cpu_per_request_s=0.25, cpu_cores=1), cfg)
+    assert run.execs == pytest.approx([0.1 / 0.75, 0.1 / 0.5], abs=EXACT)
+    assert run.latencies == pytest.approx([0.1 / 0.75, 0.2], abs=EXACT)
 
 
 def test_a_peer_run_without_stats_is_refused() -> None:
@@ -133,7 +198,7 @@ def _report(tmp_path: Path) -> Path:
     runs.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for tag, rate in (("bucketed@x0.25", 0.25), ("bucketed", 1.0)):
-        record = _run_record(0.006, 0.010, 45.0)
+        record = _run_record(0.006, 0.010, 45.0, slowdown=1 / (1 - 0.03), cpu=(0.5, 1.0, 2))
         n = len(record["result"]["sent"])
         record["rate"] = rate
         record["command"] = ["python", "-c", "...", "serve", "--model", "minilm",
@@ -141,7 +206,7 @@ def _report(tmp_path: Path) -> Path:
                              "--max-wait-ms", "10", "--port", "1"]  # fmt: skip
         record["result"]["scheduled"] = np.sort(rng.uniform(0, 10 / rate, n)).tolist()
         record["result"]["lengths"] = rng.integers(5, 200, n).tolist()
-        record["summary"] = {"p50_ms": 60.0, "p95_ms": 120.0, "throughput_rps": 2.5}
+        record["summary"].update(p50_ms=60.0, p95_ms=120.0, throughput_rps=2.5)
         (runs / f"{tag}.json").write_text(json.dumps(record))
     (runs / "naive.json").write_text(json.dumps({"name": "naive", "kind": "peer"}))
     return tmp_path / "report"
@@ -156,12 +221,13 @@ def test_calibrate_command_measures_the_lightest_bucketed_run_and_writes_the_cos
     md = tmp_path / "cal.md"
     status = main(
         ["calibrate", str(report), "--cost", str(tmp_path / "cost.json"),
-         "--out", str(out), "--markdown", str(md)]
+         "--out", str(out), "--markdown", str(md), "--server-only"]
     )  # fmt: skip
     assert status == 0
     printed = capsys.readouterr().out
     assert "measured on `bucketed@x0.25`" in printed
     assert "+6.0 ms per batch" in printed and "+10.0 ms per request" in printed
+    assert "60.0 ms CPU per request** outside the model on 2 cores" in printed
     rows = [line for line in printed.splitlines() if line.startswith("| bucketed")]
     assert [r.split(" |")[0] for r in rows] == ["| bucketed@x0.25 (measured here)", "| bucketed"]
     assert md.read_text() in printed
@@ -169,6 +235,7 @@ def test_calibrate_command_measures_the_lightest_bucketed_run_and_writes_the_cos
     assert cal.batch_overhead_s == pytest.approx(0.006, abs=EXACT)
     assert cal.request_overhead_s == pytest.approx(0.010, abs=EXACT)
     assert cal.const == COST.const
+    assert cal.cpu_per_request_s == pytest.approx(0.02, abs=EXACT)  # --server-only: loop only
 
 
 def test_calibrate_command_names_the_runs_when_the_source_is_unknown(

@@ -26,10 +26,12 @@ def register(sub: Any) -> None:
         help="measure a live server's overhead over the cost model from a bench report",
         description="Read a `lenbatch bench` report's runs/*.json; from one lenbatch run (by "
         "default `bucketed` at its lightest rate) measure the extra seconds per batch (server "
-        "execution time vs the cost model for the same batch shapes) and per request (client "
-        "median latency minus the server's own); re-simulate every lenbatch run with and "
-        "without them and print predicted vs live. Run it from where the bench ran (the runs' "
-        "--config paths are relative to it).",
+        "execution time vs the cost model for the same batch shapes), per request (client "
+        "median latency minus the server's own) and the CPU seconds each request costs "
+        "outside the model (server event loop + load driver), which slow the model under "
+        "load; simulate every lenbatch run with the given cost model and with these, and "
+        "print predicted vs live. Run it from where the bench ran (the runs' --config paths "
+        "are relative to it).",
     )
     p.add_argument("report", metavar="DIR", help="a `lenbatch bench --report` folder")
     p.add_argument("--cost", required=True, metavar="FILE", help="cost model JSON to calibrate")
@@ -39,6 +41,12 @@ def register(sub: Any) -> None:
         metavar="RUN",
         help="the run to measure, as its file name without .json, e.g. 'bucketed@x0.3' "
         "(default: bucketed at its lightest rate, else the lightest run)",
+    )
+    p.add_argument(
+        "--server-only",
+        action="store_true",
+        help="leave the load driver's CPU out of the calibrated model (for predicting a "
+        "server whose clients run on other machines; the table still includes it)",
     )
     p.add_argument("--out", metavar="FILE", help="write the calibrated cost model here")
     p.add_argument("--markdown", metavar="FILE", help="also write the table here")
@@ -50,7 +58,7 @@ class Calibration:
     """The measured overhead, the calibrated cost model and the predicted-vs-live table."""
 
     overhead: ServingOverhead
-    cost: CostModel
+    cost: CostModel  # calibrated with everything measured (what the table used)
     markdown: str
 
 
@@ -99,7 +107,8 @@ def _given(cost: CostModel) -> str:
     source = cost.calibration.split(":")[0]
     return (
         f"already calibrated: +{1000 * cost.batch_overhead_s:.1f} ms per batch, "
-        f"+{1000 * cost.request_overhead_s:.1f} ms per request, from {source}"
+        f"+{1000 * cost.request_overhead_s:.1f} ms per request, "
+        f"{1000 * cost.cpu_per_request_s:.1f} ms CPU per request, from {source}"
     )
 
 
@@ -118,13 +127,23 @@ def calibrate_report(
         raise ValueError(f"no lenbatch run {source!r} in {report_dir}; have {', '.join(runs)}")
     overhead = measure_overhead(runs[source], cost)
     cal = calibrated(cost, overhead)
+    cpu = overhead.cpu_per_request_s
+    if cpu is None:
+        cpu_text = "CPU per request not measured (this report predates it: run the bench again)"
+    else:
+        cpu_text = (
+            f"**{1000 * cpu:.1f} ms CPU per request** outside the model on "
+            f"{overhead.cores} cores (server event loop {1000 * (overhead.loop_cpu_s or 0):.1f}"
+            f" ms, load driver {1000 * (overhead.driver_cpu_s or 0):.1f} ms), which slows the "
+            "model by cores / (cores - rate x CPU per request)"
+        )
     lines = [
         f"Serving overhead measured on `{source}`: **+{1000 * overhead.batch_s:.1f} ms per "
         f"batch** (server execution time vs the cost model for the same batch shapes, "
-        f"{overhead.batches} batches) and **+{1000 * overhead.request_s:.1f} ms per request** "
-        f"(client median latency minus the server's own, {overhead.requests} requests). "
-        "Each lenbatch run simulated with the given cost model "
-        f"({_given(cost)}) and with these two overheads instead:",
+        f"{overhead.batches} batches), **+{1000 * overhead.request_s:.1f} ms per request** "
+        f"(client median latency minus the server's own, {overhead.requests} requests), and "
+        f"{cpu_text}. Each lenbatch run simulated with the given cost model ({_given(cost)}) "
+        "and with these overheads instead:",
         "",
         "| run | P50 ms given / calibrated / live | P50 diff given / cal. | "
         "P95 ms given / calibrated / live | P95 diff given / cal. | "
@@ -149,11 +168,13 @@ def calibrate_report(
 
 def run(args: argparse.Namespace) -> int:
     """Print the calibration table; write the calibrated cost model if asked."""
-    cal = calibrate_report(args.report, CostModel.load(args.cost), args.source)
+    cost = CostModel.load(args.cost)
+    cal = calibrate_report(args.report, cost, args.source)
     print(cal.markdown, end="")
     if args.markdown:
         Path(args.markdown).write_text(cal.markdown, encoding="utf-8")
     if args.out:
-        cal.cost.save(args.out)
-        print(f"wrote {args.out} ({cal.cost.calibration})")
+        out = calibrated(cost, cal.overhead, with_driver=not args.server_only)
+        out.save(args.out)
+        print(f"wrote {args.out} ({out.calibration})")
     return 0
