@@ -56,6 +56,8 @@ from lenbatch.errors import (
     OutOfMemory,
     RunnerCrashed,
     Unavailable,
+    drain_timed_out,
+    draining,
     is_out_of_memory,
 )
 from lenbatch.ledger import Ledger, Ticket
@@ -173,10 +175,7 @@ class Engine:
         self.queues.drain()
         left = self.ledger.live()
         log.warning("drain timeout of %s s passed: answering %d with 503", timeout, len(left))
-        err = Unavailable(
-            f"the server shut down before this request finished (drain timeout {timeout} s)",
-            code="shutdown",
-        )
+        err = drain_timed_out(timeout)
         for r in left:
             self.ledger.fail(r, err)
 
@@ -211,11 +210,7 @@ class Engine:
 
     def _refusal(self) -> Unavailable:
         if self.state is EngineState.DRAINING:
-            return Unavailable(
-                "server is shutting down (draining); not accepting new requests",
-                retry_after=1.0,
-                code="shutting_down",
-            )
+            return draining()
         if self.state is EngineState.FAILED:
             return Unavailable(
                 f"the model runner has failed ({self.failure}); this server must be restarted",

@@ -20,6 +20,8 @@ __all__ = [
     "Overloaded",
     "RunnerCrashed",
     "Unavailable",
+    "drain_timed_out",
+    "draining",
     "is_out_of_memory",
 ]
 
@@ -71,6 +73,23 @@ class Unavailable(LenbatchError):
     status = 503
     code = "unavailable"
     kind = "server_error"
+
+
+def draining() -> Unavailable:
+    """The answer to a request that arrives while the server drains (both engines)."""
+    return Unavailable(
+        "server is shutting down (draining); not accepting new requests",
+        retry_after=1.0,
+        code="shutting_down",
+    )
+
+
+def drain_timed_out(timeout: float | None) -> Unavailable:
+    """The answer to an admitted request still unfinished when the drain timeout passes."""
+    return Unavailable(
+        f"the server shut down before this request finished (drain timeout {timeout} s)",
+        code="shutdown",
+    )
 
 
 class OutOfMemory(LenbatchError):

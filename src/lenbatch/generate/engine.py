@@ -40,6 +40,8 @@ from lenbatch.errors import (
     LenbatchError,
     ModelFailed,
     Unavailable,
+    drain_timed_out,
+    draining,
 )
 from lenbatch.generate.core import CausalRunner, DecodeCore, UnitResult
 from lenbatch.generate.metrics import LMMetrics
@@ -145,10 +147,7 @@ class GenerationEngine:
             return
         log.warning("drain timeout of %s s passed: ending %d with 503", timeout, len(self._open))
         self.queues.drain()
-        err = Unavailable(
-            f"the server shut down before this request finished (drain timeout {timeout} s)",
-            code="shutdown",
-        )
+        err = drain_timed_out(timeout)
         for seq in list(self._open.values()):
             self._fail(seq, err)
 
@@ -200,11 +199,7 @@ class GenerationEngine:
         breakdown. Raises a `LenbatchError` when the request cannot be admitted.
         """
         if self.state is GenState.DRAINING:
-            raise Unavailable(
-                "server is shutting down (draining); not accepting new requests",
-                retry_after=1.0,
-                code="shutting_down",
-            )
+            raise draining()
         if self.state is not GenState.RUNNING:
             raise Unavailable(f"server is {self.state.value}; not accepting requests")
         if not prompt:
