@@ -26,7 +26,7 @@ cost model (`batch_overhead_s`, `request_overhead_s`, `cpu_per_request_s`, `cpu_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,8 @@ class ServingOverhead:
     loop_cpu_s: float | None = None  # server event-loop CPU seconds per request
     driver_cpu_s: float | None = None  # load-driver CPU seconds per request
     cores: int | None = None  # the machine's cores
+    cpu_baseline_cores: float | None = None  # idle CPU (cores) the fit set apart
+    cpu_runs: int = 0  # runs the CPU figures come from
 
     @property
     def cpu_per_request_s(self) -> float | None:
@@ -71,8 +73,12 @@ def _bucket_totals(stats: Mapping[str, Any]) -> dict[str, tuple[float, float, fl
     }
 
 
-def measure_overhead(run: Mapping[str, Any], cost: CostModel) -> ServingOverhead:
+def measure_overhead(
+    run: Mapping[str, Any], cost: CostModel, cpu_runs: Sequence[Mapping[str, Any]] = ()
+) -> ServingOverhead:
     """The serving overhead seen in one bench run of a lenbatch server (a `runs/*.json` record).
+    The CPU per request is fitted over `run` and `cpu_runs` (the same server at other rates)
+    when they span two or more rates.
 
     Raises ValueError if the record lacks the server's `/stats` or ran no batch.
     """
@@ -108,29 +114,57 @@ def measure_overhead(run: Mapping[str, Any], cost: CostModel) -> ServingOverhead
         raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
     rate = run.get("rate", 1.0)
     n = len(sent)
-    summary = run.get("summary", {})
-    server_cpu = summary.get("server_cpu")
-    cores = summary.get("cpu_count")
-    loop_cpu = driver_cpu = None
+    cores = run.get("summary", {}).get("cpu_count")
+    cpu = _cpu_fit([run, *(r for r in cpu_runs if r is not run)])
     slowdown = 1.0
-    if server_cpu and cores and result.get("driver_cpu_s") is not None:
-        loop_cpu = float(server_cpu["loop_s"]) / n
-        driver_cpu = float(result["driver_cpu_s"]) / n
+    duration = float(result.get("wall_s") or 0.0)
+    if cpu is not None and cores and duration > 0:
         # Batches in this very run were slowed by its own rate; take that out of the constant.
-        duration = float(result.get("wall_s") or 0.0)
-        if duration > 0:
-            probe = CostModel(const=0.0, cpu_per_request_s=loop_cpu + driver_cpu, cpu_cores=cores)
-            slowdown = probe.slowdown(n / duration)
+        probe = CostModel(const=0.0, cpu_per_request_s=cpu[0] + cpu[1], cpu_cores=int(cores))
+        slowdown = probe.slowdown(n / duration)
     return ServingOverhead(
         batch_s=(live_exec / slowdown - model_exec) / batches,
         request_s=client_p50 - float(server_p50) / 1000.0,
         batches=int(batches),
         requests=int(ok.sum()),
         source=f"{run.get('name')} at rate x{rate:g}",
-        loop_cpu_s=loop_cpu,
-        driver_cpu_s=driver_cpu,
+        loop_cpu_s=None if cpu is None else cpu[0],
+        driver_cpu_s=None if cpu is None else cpu[1],
         cores=int(cores) if cores else None,
+        cpu_baseline_cores=None if cpu is None else cpu[2],
+        cpu_runs=0 if cpu is None else cpu[3],
     )
+
+
+def _cpu_fit(runs: Sequence[Mapping[str, Any]]) -> tuple[float, float, float, int] | None:
+    """(server-loop CPU s per request, driver CPU s per request, idle CPU in cores, runs used).
+
+    With runs at two or more rates, CPU time = idle x wall time + per-request x requests is
+    fitted by least squares, so the idle work (timers, polling) that dominates a light run is
+    not charged to its requests; with one run, its CPU time divided by its requests."""
+    rows = []
+    for r in runs:
+        res, cpu = r["result"], r.get("summary", {}).get("server_cpu")
+        if cpu and res.get("driver_cpu_s") is not None and res.get("wall_s"):
+            n = len(res["sent"])
+            rows.append((float(res["wall_s"]), n, float(cpu["loop_s"]), float(res["driver_cpu_s"])))
+    if not rows:
+        return None
+    rates = {round(n / wall, 3) for wall, n, _, _ in rows}
+    if len(rates) == 1:
+        n = sum(row[1] for row in rows)
+        loop, driver = sum(row[2] for row in rows), sum(row[3] for row in rows)
+        return loop / n, driver / n, 0.0, len(rows)
+    a = np.array([[wall, n] for wall, n, _, _ in rows], dtype=np.float64)
+    fits = []
+    for col in (2, 3):
+        y = np.array([row[col] for row in rows], dtype=np.float64)
+        idle, per_request = np.linalg.lstsq(a, y, rcond=None)[0]
+        if idle < 0 or per_request < 0:  # noise: fall back to the plain ratio
+            idle, per_request = 0.0, float(y.sum() / a[:, 1].sum())
+        fits.append((float(idle), float(per_request)))
+    (loop_idle, loop_w), (driver_idle, driver_w) = fits
+    return loop_w, driver_w, loop_idle + driver_idle, len(rows)
 
 
 def calibrated(

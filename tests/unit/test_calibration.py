@@ -249,3 +249,23 @@ def test_calibrate_command_names_the_runs_when_the_source_is_unknown(
     assert status == 2
     err = capsys.readouterr().err
     assert "no lenbatch run 'fifo'" in err and "bucketed@x0.25" in err
+
+
+def test_cpu_per_request_is_separated_from_idle_cpu_over_runs_at_two_rates() -> None:
+    """Two runs of the same server: 25 requests in 25 s and 25 in 100 s. With 0.01 cores of
+    idle loop CPU and 20 ms per request (driver: 0.02 cores, 40 ms), the fit recovers both;
+    dividing the light run's CPU by its requests alone would charge the idle work to them."""
+
+    def run(wall: float) -> dict[str, Any]:
+        record = _run_record(0.0, 0.0, 40.0, cpu=(0.01 * wall + 0.02 * 25, 0.02 * wall + 1.0, 2))
+        record["result"]["wall_s"] = wall
+        return record
+
+    light, busy = run(100.0), run(25.0)
+    o = measure_overhead(light, COST, [light, busy])
+    assert o.loop_cpu_s == pytest.approx(0.02, abs=1e-9)
+    assert o.driver_cpu_s == pytest.approx(0.04, abs=1e-9)
+    assert o.cpu_baseline_cores == pytest.approx(0.03, abs=1e-9)
+    assert o.cpu_runs == 2
+    alone = measure_overhead(light, COST)
+    assert alone.cpu_runs == 1 and alone.loop_cpu_s == pytest.approx((1.0 + 0.5) / 25)

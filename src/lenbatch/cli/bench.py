@@ -153,8 +153,9 @@ def _append_calibration(report: Path, cost_path: str) -> None:
     with report.open("a", encoding="utf-8") as f:
         f.write(
             "\n## Calibrated prediction\n\n"
-            "What a live server adds to the cost model, measured on one light run, then every "
-            "run predicted again with it (`lenbatch calibrate`; the calibrated cost model is "
+            "What a live server adds to the cost model, measured on one light run (the CPU "
+            "per request over that server's runs at every rate), then every run predicted "
+            "again with it (`lenbatch calibrate`; the calibrated cost model is "
             "`calibrated_cost.json`, usable by `simulate`, `sweep` and `tune`).\n\n" + cal.markdown
         )
 

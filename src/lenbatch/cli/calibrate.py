@@ -125,17 +125,26 @@ def calibrate_report(
     source = source or _default_source(runs)
     if source not in runs:
         raise ValueError(f"no lenbatch run {source!r} in {report_dir}; have {', '.join(runs)}")
-    overhead = measure_overhead(runs[source], cost)
+    same_server = [r for r in runs.values() if r["name"] == runs[source]["name"]]
+    overhead = measure_overhead(runs[source], cost, same_server)
     cal = calibrated(cost, overhead)
     cpu = overhead.cpu_per_request_s
     if cpu is None:
         cpu_text = "CPU per request not measured (this report predates it: run the bench again)"
     else:
+        if overhead.cpu_runs > 1:
+            how = (
+                f"fitted over {overhead.cpu_runs} `{runs[source]['name']}` runs as idle CPU "
+                f"({overhead.cpu_baseline_cores or 0:.3f} cores) x wall time + CPU per request "
+                "x requests"
+            )
+        else:
+            how = "this run's CPU time over its requests"
         cpu_text = (
             f"**{1000 * cpu:.1f} ms CPU per request** outside the model on "
             f"{overhead.cores} cores (server event loop {1000 * (overhead.loop_cpu_s or 0):.1f}"
-            f" ms, load driver {1000 * (overhead.driver_cpu_s or 0):.1f} ms), which slows the "
-            "model by cores / (cores - rate x CPU per request)"
+            f" ms, load driver {1000 * (overhead.driver_cpu_s or 0):.1f} ms; {how}), which "
+            "slows the model by cores / (cores - rate x CPU per request)"
         )
     lines = [
         f"Serving overhead measured on `{source}`: **+{1000 * overhead.batch_s:.1f} ms per "
