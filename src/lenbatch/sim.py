@@ -177,30 +177,32 @@ def simulate(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(trace, cost, batching, admission, max_length=max_length, truncate=truncate)
+        return _replay(
+            trace,
+            cost,
+            batching or BatchingConfig(),
+            admission or AdmissionConfig(),
+            max_length,
+            truncate,
+        )
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _simulate(
+def _replay(
     trace: Trace,
     cost: CostModel,
-    batching: BatchingConfig | None = None,
-    admission: AdmissionConfig | None = None,
-    *,
-    max_length: int = 256,
-    truncate: bool = False,
+    batching: BatchingConfig,
+    adm_cfg: AdmissionConfig,
+    max_length: int,
+    truncate: bool,
 ) -> SimRun:
-    """Replay `trace` (one single-input call per row, at its arrival time) through the engine's
-    admission, queues and scheduler with service times from `cost`; run until every admitted
-    request is answered."""
+    """`simulate`'s event loop, with its defaults resolved and the collector paused."""
     if trace.arrivals is None:
         raise ValueError(
             f"trace {trace.source or '(unnamed)'} has no arrival times; the simulator needs them"
         )
-    batching = batching or BatchingConfig()
-    adm_cfg = admission or AdmissionConfig()
     cfg = resolve(batching, max_length)
     n = len(trace)
     arrivals = np.asarray(trace.arrivals, dtype=np.float64)
