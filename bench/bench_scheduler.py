@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
-from lenbatch.queues import Queues
-from lenbatch.request import Request
-from lenbatch.scheduler import Decision, schedule
-from lenbatch.sim import resolve
-from lenbatch.trace import load_trace, map_trace
+from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Decision, schedule
+from lenbatch.plan.trace import load_trace, map_trace
 
 Scheduler = Callable[[Queues, float, SchedulerConfig], Any]
 REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "property" / "reference_scheduler.py"
@@ -107,7 +107,7 @@ def main() -> None:
     print("| strategy | load | us/request | us/request, before optimisation | speed-up |")
     print("|---|---|---:|---:|---:|")
     for s in Strategy:
-        cfg = resolve(BatchingConfig(strategy=s), 256)
+        cfg = resolve_lanes(BatchingConfig(strategy=s), 256).cfg
         for name, fn in (("stream", stream), ("backlog", backlog)):
             best = min(fn(cfg, lengths) for _ in range(args.runs))
             old = "-"

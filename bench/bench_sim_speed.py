@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.sim import simulate
-from lenbatch.trace import Trace, load_trace, map_trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sim import simulate
+from lenbatch.plan.trace import Trace, load_trace, map_trace
 
 
 def repeated(trace: Trace, times: int) -> Trace:

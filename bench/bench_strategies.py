@@ -27,10 +27,10 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.engine import Engine
-from lenbatch.metrics import percentile
+from lenbatch.embed.engine import Engine
+from lenbatch.plan.trace import load_trace, map_trace
 from lenbatch.runners import EmbeddingRunner, load_runner
-from lenbatch.trace import load_trace, map_trace
+from lenbatch.serving.metrics import percentile
 
 
 def corpus_ids(runner: EmbeddingRunner) -> list[int]:

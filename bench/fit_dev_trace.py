@@ -6,7 +6,7 @@ Maps the bundled Azure conversation trace onto MiniLM (`--length-scale 0.05 --ma
 overlong inputs clipped: see docs/traffic.md for why), then runs quantile, k-means and optimal
 with `auto` K and with a fixed K, under a few traffic settings, and writes
 `bench/results/fit_azure_minilm.md`. Deterministic: no timing is involved, only the model in
-`lenbatch.fitting`.
+`lenbatch.plan.fitting`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from lenbatch.costmodel import CostModel
-from lenbatch.fitting import FitMethod, fit_boundaries
-from lenbatch.trace import load_trace, map_trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.fitting import FitMethod, fit_boundaries
+from lenbatch.plan.trace import load_trace, map_trace
 
 RESULTS = Path(__file__).parent / "results"
 SCALE, LIMIT = 0.05, 256

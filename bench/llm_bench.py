@@ -43,9 +43,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig, Strategy
 from lenbatch.generate import GenerationEngine, SamplingParams
-from lenbatch.metrics import percentile
+from lenbatch.plan.trace import load_trace, map_trace
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
-from lenbatch.trace import load_trace, map_trace
+from lenbatch.serving.metrics import percentile
 
 CONFIGS = ("fifo-static", "bucketed-static", "bucketed-continuous", "fifo-continuous", "hf-cb")
 
@@ -73,7 +73,7 @@ class Record:
 def load_model(name: str, tmp: Path) -> CausalLMRunner:
     """`tiny`: a random Llama built here (hidden 256, 4 layers); else smollm2 or a folder."""
     if name == "tiny":
-        from lenbatch.generate.tiny import build_tiny_model
+        from lenbatch.runners.tiny import build_tiny_model
 
         folder = build_tiny_model(tmp / "tiny", "llama", hidden=256, layers=4, heads=8,
                                   max_positions=1024, vocab_size=2048)  # fmt: skip

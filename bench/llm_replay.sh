@@ -15,7 +15,7 @@ MODEL=${MODEL:-out/tiny-llama}
 DURATION=${DURATION:-60}
 RATE=${RATE:-1}
 if [[ ! -f "$MODEL/config.json" ]]; then
-  .venv/bin/python -c "from lenbatch.generate.tiny import build_tiny_model as b; \
+  .venv/bin/python -c "from lenbatch.runners.tiny import build_tiny_model as b; \
 b('$MODEL', 'llama', hidden=256, layers=4, heads=8, max_positions=1024)"
 fi
 common=(azure-conv --endpoint completions --model "$MODEL"

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/profile_minilm.py --conditions "quiet machine"
 
-Runs `lenbatch.profile` over batch sizes x padded lengths (warm-up, median of repeats, sampled
+Runs `lenbatch.plan.profile` over batch sizes x padded lengths (warm-up, median of repeats, sampled
 RSS per point), fits the cost model, and writes `bench/results/profile_minilm_<device>.md`
 (command, machine, load average before and after, the table, the fit) and the cost model JSON
 next to it, which `lenbatch fit --cost` and `lenbatch simulate` read.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lenbatch.profile import bucket_max_batches, format_table, profile_and_fit
+from lenbatch.plan.profile import bucket_max_batches, format_table, profile_and_fit
 from lenbatch.runners import load_runner
 
 RESULTS = Path(__file__).parent / "results"

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Llama with its BPE tokenizer and chat template, in HF folder layout."""
-    from lenbatch.generate.tiny import build_tiny_model
+    from lenbatch.runners.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
@@ -33,7 +33,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny GPT-2 (absolute position embeddings) with the same tokenizer."""
-    from lenbatch.generate.tiny import build_tiny_model
+    from lenbatch.runners.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
-from lenbatch.queues import Queues
-from lenbatch.request import Request
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
 
 
 def sched_cfg(

@@ -6,9 +6,6 @@ web framework; `Engine` runs it on an asyncio loop in front of a runner; `create
 
 from __future__ import annotations
 
-from lenbatch.buckets import BucketSet, default_boundaries
-from lenbatch.clock import Clock, FakeClock, MonotonicClock
-from lenbatch.collate import Collated, collate
 from lenbatch.config import (
     AdmissionConfig,
     BatchingConfig,
@@ -17,9 +14,12 @@ from lenbatch.config import (
     Strategy,
     load_settings,
 )
-from lenbatch.queues import Queues
-from lenbatch.request import Request
-from lenbatch.scheduler import Batch, Decision, schedule
+from lenbatch.core.buckets import BucketSet, default_boundaries
+from lenbatch.core.clock import Clock, FakeClock, MonotonicClock
+from lenbatch.core.collate import Collated, collate
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Batch, Decision, schedule
 
 __version__ = "0.1.0"
 

@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 
 from lenbatch.config import Settings
-from lenbatch.engine import Engine
+from lenbatch.embed.api import create_app
+from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner, load_runner
-from lenbatch.server import create_app
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
-from lenbatch.errors import ModelFailed, Unavailable
+from lenbatch.core.errors import ModelFailed, Unavailable
 from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
 from tests.llm_reference import PROMPTS
 

@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from lenbatch.collate import Collated
 from lenbatch.config import AdmissionConfig, BatchingConfig
-from lenbatch.engine import Engine
-from lenbatch.errors import BadInput, DeadlineExceeded, InputTooLong, ModelFailed, Unavailable
+from lenbatch.core.collate import Collated
+from lenbatch.core.errors import BadInput, DeadlineExceeded, InputTooLong, ModelFailed, Unavailable
+from lenbatch.embed.engine import Engine
 from lenbatch.runners.fake import FakeRunner
 
 
@@ -141,7 +141,7 @@ async def test_poison_input_fails_alone() -> None:
 
 async def test_queue_bound_rejects_with_retry_after() -> None:
     """A full queue refuses new work with a retryable error naming the limit."""
-    from lenbatch.errors import Overloaded
+    from lenbatch.core.errors import Overloaded
 
     runner = FakeRunner(max_length=64, cost=lambda b, n: 0.2)
     engine = Engine(

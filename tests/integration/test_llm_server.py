@@ -16,7 +16,7 @@ import uvicorn
 
 from lenbatch.config import BatchingConfig, GenerationConfig, Settings
 from lenbatch.generate import STAGES, GenerationEngine
-from lenbatch.server_llm import create_llm_app
+from lenbatch.generate.api import create_llm_app
 from tests.llm_reference import PROMPTS, reference_greedy
 
 

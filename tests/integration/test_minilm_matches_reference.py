@@ -10,7 +10,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 
 from lenbatch.config import BatchingConfig
-from lenbatch.engine import Engine
+from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner, resolve_model
 
 

@@ -15,7 +15,7 @@ def _client(srv: LiveServer) -> openai.OpenAI:
 
 
 def _expected(minilm: EmbeddingRunner, texts: list[str]) -> np.ndarray:
-    from lenbatch.collate import collate
+    from lenbatch.core.collate import collate
 
     rows = [minilm.embed(collate([ids], 0)) for ids in minilm.tokenize(texts, False)]
     return np.concatenate(rows)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from lenbatch.peers.common import PlainEncoder
-from lenbatch.peers.naive import create_app
+from lenbatch.replay.peers.common import PlainEncoder
+from lenbatch.replay.peers.naive import create_app
 
 pytestmark = pytest.mark.model
 

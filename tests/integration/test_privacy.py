@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from lenbatch.config import BatchingConfig
-from lenbatch.engine import Engine
-from lenbatch.lengthlog import LengthLog
+from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner
+from lenbatch.serving.lengthlog import LengthLog
 from tests.integration.conftest import LiveServer
 
 CANARY = "zqxcanary7731"

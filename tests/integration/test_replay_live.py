@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lenbatch.cli import main
-from lenbatch.costmodel import CostModel
-from lenbatch.summary import SUMMARY_KEYS
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.summary import SUMMARY_KEYS
 from tests.integration.conftest import LiveServer
 
 pytestmark = pytest.mark.model

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.engine import Engine
+from lenbatch.embed.engine import Engine
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sim import simulate
+from lenbatch.plan.trace import Trace
 from lenbatch.runners.fake import FakeRunner
-from lenbatch.sim import simulate
-from lenbatch.trace import Trace
 
 COST = CostModel(const=0.4, per_token=0.001)
 # (arrival s, length): A and B together, then C, D, E while the runner is busy

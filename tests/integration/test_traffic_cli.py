@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lenbatch.buckets import BucketSet
 from lenbatch.cli import main
 from lenbatch.config import BatchingConfig, load_settings
-from lenbatch.costmodel import CostModel
-from lenbatch.engine import Engine
-from lenbatch.lengthlog import LengthLog
+from lenbatch.core.buckets import BucketSet
+from lenbatch.embed.engine import Engine
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.trace import load_trace, map_trace
 from lenbatch.runners.fake import FakeRunner
-from lenbatch.trace import load_trace, map_trace
+from lenbatch.serving.lengthlog import LengthLog
 
 FIX = Path(__file__).parent.parent / "fixtures"
 MAPPING = ["--length-scale", "0.05", "--max-length", "256"]

@@ -1,4 +1,4 @@
-"""Frozen copy of `lenbatch/scheduler.py` as the lead wrote it (commit ace16fa), before it was
+"""Frozen copy of `lenbatch/core/scheduler.py` as the lead wrote it (commit ace16fa), before it was
 optimised for the simulator. The property tests run both on the same inputs and require
 identical decisions, so speed work cannot change what the scheduler decides.
 """
@@ -9,8 +9,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lenbatch.config import LanePolicy, SchedulerConfig, Strategy
-from lenbatch.queues import Queues
-from lenbatch.request import Request
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
 
 __all__ = ["Batch", "Decision", "schedule"]
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lenbatch.fitting import fit_boundaries, score_boundaries
+from lenbatch.plan.fitting import fit_boundaries, score_boundaries
 
 samples = st.lists(st.integers(1, 300), min_size=1, max_size=200)
 rates = st.one_of(st.none(), st.floats(1.0, 5000.0))

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lenbatch.config import BatchingConfig, RecoveryConfig
-from lenbatch.engine import Engine
-from lenbatch.errors import DeadlineExceeded, LenbatchError, ModelFailed, OutOfMemory
+from lenbatch.core.errors import DeadlineExceeded, LenbatchError, ModelFailed, OutOfMemory
+from lenbatch.embed.engine import Engine
 from lenbatch.runners.fake import FakeRunner
 from lenbatch.runners.faulty import FaultyRunner
 

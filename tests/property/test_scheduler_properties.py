@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lenbatch.config import SchedulerConfig, Strategy
-from lenbatch.queues import Queues
-from lenbatch.request import Request
-from lenbatch.scheduler import Batch, schedule
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Batch, schedule
 from tests.property.strategies import Arrival, scheduler_configs, workloads
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
-from lenbatch.queues import Queues
-from lenbatch.request import Request
-from lenbatch.scheduler import schedule
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import schedule
 from tests.property import reference_scheduler
 
 

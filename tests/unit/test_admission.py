@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from lenbatch.admission import Admission, TokenBucket
 from lenbatch.config import AdmissionConfig, BatchingConfig, LanePolicy, SchedulerConfig, Strategy
-from lenbatch.errors import InputTooLong, Overloaded
-from lenbatch.queues import Queues
-from lenbatch.request import Request
+from lenbatch.core.admission import Admission, TokenBucket
+from lenbatch.core.errors import InputTooLong, Overloaded
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
 
 
 def _sched(max_length: int = 256, budget: int = 8192, pad_to: int | None = None) -> SchedulerConfig:

@@ -7,8 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lenbatch.analysis import analyze, arrival_stats, format_summary, length_stats, plot_histogram
-from lenbatch.trace import Trace, load_trace, map_trace
+from lenbatch.plan.analysis import (
+    analyze,
+    arrival_stats,
+    format_summary,
+    length_stats,
+    plot_histogram,
+)
+from lenbatch.plan.trace import Trace, load_trace, map_trace
 
 FIX = Path(__file__).parent.parent / "fixtures"
 

@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.benchrun import targets_for
 from lenbatch.cli.predict import batching_for, make_predictor
 from lenbatch.cli.replay import check_loopback
 from lenbatch.cli.traffic import Traffic
 from lenbatch.config import Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.endpoints import EmbeddingsEndpoint
-from lenbatch.replay import ReplayPlan
-from lenbatch.trace import Trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.trace import Trace
+from lenbatch.replay.bench import targets_for
+from lenbatch.replay.driver import ReplayPlan
+from lenbatch.replay.endpoints import EmbeddingsEndpoint
 
 
 def test_targets_start_serve_with_each_strategy_and_the_peers() -> None:
@@ -30,7 +30,7 @@ def test_targets_start_serve_with_each_strategy_and_the_peers() -> None:
     assert fifo[fifo.index("--port") + 1] == "9001"
     assert fifo[fifo.index("--max-batch") + 1] == "16"
     ray = targets[3].command(9002)
-    assert "lenbatch.peers.ray_serve" in ray and ray[ray.index("--max-wait-ms") + 1] == "5"
+    assert "lenbatch.replay.peers.ray_serve" in ray and ray[ray.index("--max-wait-ms") + 1] == "5"
 
 
 def test_unknown_targets_are_refused() -> None:

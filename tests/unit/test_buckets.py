@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lenbatch.buckets import BucketSet, default_boundaries
+from lenbatch.core.buckets import BucketSet, default_boundaries
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.calibration import ServingOverhead, calibrated, measure_overhead
 from lenbatch.cli import main
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.sim import simulate
-from lenbatch.trace import Trace
+from lenbatch.plan.calibration import ServingOverhead, calibrated, measure_overhead
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sim import simulate
+from lenbatch.plan.trace import Trace
 
 EXACT = 1e-9
 COST = CostModel(

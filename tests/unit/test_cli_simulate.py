@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lenbatch.cli import main
-from lenbatch.costmodel import CostModel
-from lenbatch.summary import SUMMARY_KEYS
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.summary import SUMMARY_KEYS
 
 ROWS = [  # TIMESTAMP, ContextTokens, GeneratedTokens (the Azure trace format)
     ("2023-11-16 18:15:46.6805900", 20, 5),

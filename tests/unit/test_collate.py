@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lenbatch.collate import collate
+from lenbatch.core.collate import collate
 
 
 def test_right_padding_to_longest() -> None:

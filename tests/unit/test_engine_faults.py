@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.clock import FakeClock
 from lenbatch.config import AdmissionConfig, BatchingConfig, RecoveryConfig
-from lenbatch.engine import Engine, EngineState
-from lenbatch.errors import (
+from lenbatch.core.clock import FakeClock
+from lenbatch.core.errors import (
     DeadlineExceeded,
     LenbatchError,
     ModelFailed,
     OutOfMemory,
     Unavailable,
 )
+from lenbatch.embed.engine import Engine, EngineState
 from lenbatch.runners.fake import FakeRunner
 from lenbatch.runners.faulty import FaultyRunner
 
@@ -347,11 +347,11 @@ async def test_no_state_is_kept_per_answered_request(
     import gc
     import tracemalloc
 
-    import lenbatch.metrics
+    import lenbatch.serving.metrics
 
     # The metrics' recent-sample windows are bounded (10k); a small bound lets the warm-up
     # fill them, so any growth left is per-request state.
-    monkeypatch.setattr(lenbatch.metrics, "_WINDOW", 100)
+    monkeypatch.setattr(lenbatch.serving.metrics, "_WINDOW", 100)
 
     engine = make(FaultyRunner(FakeRunner(record=False)), max_batch=8, max_wait_ms=1)
     started.append(engine)
@@ -372,7 +372,11 @@ async def test_no_state_is_kept_per_answered_request(
     await rounds(10)
     await until(lambda: engine.unanswered == 0)
     baseline_timers = live_timers()
-    engine_files = ("*/lenbatch/engine.py", "*/lenbatch/request.py", "*/lenbatch/queues.py")
+    engine_files = (
+        "*/lenbatch/embed/engine.py",
+        "*/lenbatch/core/request.py",
+        "*/lenbatch/core/queues.py",
+    )
     tracemalloc.start(1)
     try:
         gc.collect()

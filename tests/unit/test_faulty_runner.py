@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lenbatch.collate import collate
-from lenbatch.errors import RunnerCrashed, is_out_of_memory
+from lenbatch.core.collate import collate
+from lenbatch.core.errors import RunnerCrashed, is_out_of_memory
 from lenbatch.runners import load_runner
 from lenbatch.runners.fake import FakeRunner
 from lenbatch.runners.faulty import FaultyRunner, PoisonInput, runner_from_spec

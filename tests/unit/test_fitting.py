@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from lenbatch.costmodel import CostModel
-from lenbatch.fitting import (
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.fitting import (
     FitMethod,
     expected_padding_waste,
     fit_boundaries,

@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from lenbatch.clock import FakeClock
-from lenbatch.errors import DeadlineExceeded, ModelFailed
-from lenbatch.ledger import Ledger, Ticket
-from lenbatch.metrics import Metrics
-from lenbatch.request import Request
+from lenbatch.core.clock import FakeClock
+from lenbatch.core.errors import DeadlineExceeded, ModelFailed
+from lenbatch.core.request import Request
+from lenbatch.embed.ledger import Ledger, Ticket
+from lenbatch.serving.metrics import Metrics
 
 
 def _ledger() -> Ledger:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.oracle import oracle, oracle_for
-from lenbatch.sim import simulate
-from lenbatch.trace import Trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.oracle import oracle, oracle_for
+from lenbatch.plan.sim import simulate
+from lenbatch.plan.trace import Trace
 
 COST = CostModel(const=0.004, per_row=0.0002, per_token=2e-5, per_token_sq=1e-8)
 

@@ -9,9 +9,9 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from lenbatch.clock import FakeClock
-from lenbatch.costmodel import CostModel
-from lenbatch.profile import (
+from lenbatch.core.clock import FakeClock
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.profile import (
     RssMemoryProbe,
     bucket_max_batches,
     fit_cost_model,

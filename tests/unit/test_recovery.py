@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lenbatch.config import BatchingConfig
-from lenbatch.recovery import BatchCaps
+from lenbatch.core.recovery import BatchCaps
 
 
 def _caps(cooldown: float = 10.0) -> BatchCaps:

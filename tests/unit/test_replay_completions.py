@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from lenbatch.endpoints import CompletionsEndpoint
-from lenbatch.replay import ReplayPlan, replay, summarize_replay
-from lenbatch.summary import OUTCOME_ERROR, OUTCOME_OK
+from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK
+from lenbatch.replay.driver import ReplayPlan, replay, summarize_replay
+from lenbatch.replay.endpoints import CompletionsEndpoint
 from tests.unit.replay_fakes import FakeServer, serving
 
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from lenbatch.endpoints import EmbeddingsEndpoint
-from lenbatch.replay import ReplayPlan, ReplayResult, replay, summarize_replay
-from lenbatch.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED
+from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED
+from lenbatch.replay.driver import ReplayPlan, ReplayResult, replay, summarize_replay
+from lenbatch.replay.endpoints import EmbeddingsEndpoint
 from tests.unit.replay_fakes import FakeServer, serving
 
 

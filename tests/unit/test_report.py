@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.replay import ReplayResult
-from lenbatch.report import RunRecord, ratio, write_report
+from lenbatch.replay.driver import ReplayResult
+from lenbatch.replay.report import RunRecord, ratio, write_report
 
 
 def _summary(

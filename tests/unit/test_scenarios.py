@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lenbatch.scenarios import build_scenario
+from lenbatch.replay.scenarios import build_scenario
 
 POOLS = {
     "short": np.arange(10, 40, dtype=np.int64),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lenbatch.queues import Queues
-from lenbatch.scheduler import schedule
+from lenbatch.core.queues import Queues
+from lenbatch.core.scheduler import schedule
 from tests.helpers import push, sched_cfg
 
 

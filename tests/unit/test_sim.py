@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.sim import simulate
-from lenbatch.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, SUMMARY_KEYS
-from lenbatch.trace import Trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sim import simulate
+from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, SUMMARY_KEYS
+from lenbatch.plan.trace import Trace
 
 EXACT = 1e-9
 MB = 1024 * 1024

@@ -7,17 +7,18 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-import lenbatch.engine
-import lenbatch.scheduler
-import lenbatch.sim
-from lenbatch.admission import Admission
+import lenbatch.core.scheduler
+import lenbatch.embed.engine
+import lenbatch.plan.sim
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.errors import LenbatchError
-from lenbatch.queues import Queues
-from lenbatch.request import Request
-from lenbatch.scheduler import Decision
-from lenbatch.trace import Trace
+from lenbatch.core.admission import Admission
+from lenbatch.core.errors import LenbatchError
+from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Decision
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.trace import Trace
 
 
 def poisson(rate: float, n: int, lengths: Sequence[int] | np.ndarray, seed: int = 0) -> Trace:
@@ -28,25 +29,25 @@ def poisson(rate: float, n: int, lengths: Sequence[int] | np.ndarray, seed: int 
 
 def test_engine_and_simulator_use_the_same_scheduling_objects() -> None:
     """One scheduler function, one Queues class, one Admission class, shared by both."""
-    assert lenbatch.sim.schedule is lenbatch.scheduler.schedule
-    assert lenbatch.engine.schedule is lenbatch.scheduler.schedule
-    assert lenbatch.sim.Queues is lenbatch.engine.Queues
-    assert lenbatch.sim.Admission is lenbatch.engine.Admission
+    assert lenbatch.plan.sim.schedule is lenbatch.core.scheduler.schedule
+    assert lenbatch.embed.engine.schedule is lenbatch.core.scheduler.schedule
+    assert lenbatch.plan.sim.Queues is lenbatch.embed.engine.Queues
+    assert lenbatch.plan.sim.Admission is lenbatch.embed.engine.Admission
 
 
 def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batch the simulator runs was emitted by a call to `schedule()`."""
     emitted = []
-    real = lenbatch.scheduler.schedule
+    real = lenbatch.core.scheduler.schedule
 
     def spy(queues: Queues, now: float, cfg: lenbatch.config.SchedulerConfig) -> Decision:
         d = real(queues, now, cfg)
         emitted.extend(len(b.requests) for b in d.batches)
         return d
 
-    monkeypatch.setattr(lenbatch.sim, "schedule", spy)
+    monkeypatch.setattr(lenbatch.plan.sim, "schedule", spy)
     t = poisson(50.0, 500, np.full(500, 20))
-    run = lenbatch.sim.simulate(t, CostModel(const=0.01, per_token=1e-4), BatchingConfig())
+    run = lenbatch.plan.sim.simulate(t, CostModel(const=0.01, per_token=1e-4), BatchingConfig())
     assert sum(emitted) == 500
     assert len(emitted) == sum(s.batches for s in run.lane_stats)
 
@@ -55,14 +56,14 @@ def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyP
 def test_schedule_is_empty_without_work_or_free_slot(strategy: Strategy) -> None:
     """The simulator skips `schedule()` in exactly these two states; it must decide nothing
     there (no batch, no expiry, no timer), or the shortcut would change the simulation."""
-    cfg = lenbatch.sim.resolve(BatchingConfig(strategy=strategy, max_wait_ms=0), 256)
+    cfg = resolve_lanes(BatchingConfig(strategy=strategy, max_wait_ms=0), 256).cfg
     q = Queues(cfg)
-    assert lenbatch.scheduler.schedule(q, 5.0, cfg) == Decision()
+    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg) == Decision()
     for _ in range(cfg.slots):
         q.batch_started(q.lane_of(10))
     for n in (10, 100, 200):
         q.push(Request(n, 0.0, deadline=1.0))
-    assert lenbatch.scheduler.schedule(q, 5.0, cfg) == Decision()
+    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg) == Decision()
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:
@@ -70,7 +71,7 @@ def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:
     mean wait = rho * s / (2 (1 - rho)) = 50 ms. Tolerance ~4 sigma of 20k samples."""
     t = poisson(5.0, 20_000, np.full(20_000, 10), seed=1)
     cfg = BatchingConfig(strategy=Strategy.FIFO, max_batch=1, max_wait_ms=0, prefetch_batches=0)
-    run = lenbatch.sim.simulate(t, CostModel(const=0.1), cfg)
+    run = lenbatch.plan.sim.simulate(t, CostModel(const=0.1), cfg)
     assert float(np.mean(run.waits)) == pytest.approx(0.05, rel=0.08)
     assert float(np.mean(run.latencies)) == pytest.approx(0.15, rel=0.03)
 
@@ -88,12 +89,12 @@ def test_littles_law_holds_between_queue_state_and_reported_waits(
             seen.append(queues.size)
             return super().check(lengths, queues, now)
 
-    monkeypatch.setattr(lenbatch.sim, "Admission", Spy)
+    monkeypatch.setattr(lenbatch.plan.sim, "Admission", Spy)
     rng = np.random.default_rng(3)
     n = 20_000
     t = poisson(40.0, n, rng.integers(4, 250, n), seed=3)
     cfg = BatchingConfig(max_wait_ms=20, prefetch_batches=0)  # leaving the queue = starting
-    run = lenbatch.sim.simulate(t, CostModel(const=0.005, per_token=2e-5), cfg)
+    run = lenbatch.plan.sim.simulate(t, CostModel(const=0.005, per_token=2e-5), cfg)
     assert len(seen) == n
     rate = n / t.duration
     mean_wait = float(np.mean(run.waits))

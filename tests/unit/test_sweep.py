@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lenbatch.config import BatchingConfig, Strategy
-from lenbatch.costmodel import CostModel
-from lenbatch.sweep import default_rates, judge, offered_rps, plot_sweep, sweep
-from lenbatch.trace import Trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sweep import default_rates, judge, offered_rps, plot_sweep, sweep
+from lenbatch.plan.trace import Trace
 
 COST = CostModel(const=0.004, per_token=2e-5)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.textgen import TextBuilder, corpus_units, load_tokenizer
+from lenbatch.replay.bodies import TextBuilder, corpus_units, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lenbatch.trace import ColumnMap, detect_format, load_trace, map_trace
+from lenbatch.plan.trace import ColumnMap, detect_format, load_trace, map_trace
 
 FIX = Path(__file__).parent.parent / "fixtures"
 

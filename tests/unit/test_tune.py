@@ -10,10 +10,10 @@ import pytest
 
 from lenbatch.cli import main
 from lenbatch.config import AdmissionConfig, BatchingConfig, load_settings
-from lenbatch.costmodel import CostModel
-from lenbatch.sweep import Probe
-from lenbatch.trace import Trace
-from lenbatch.tune import settings_toml, tune
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.sweep import Probe
+from lenbatch.plan.trace import Trace
+from lenbatch.plan.tune import settings_toml, tune
 
 COST = CostModel(const=0.01, per_token=2e-5)
 SMALL = {"buckets": (2, 3), "waits_ms": (1.0, 5.0, 20.0), "batches": (8, 32)}

@@ -28,7 +28,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, map, summarise and print; optionally plot."""
-    from lenbatch.analysis import analyze, format_summary, plot_histogram
+    from lenbatch.plan.analysis import analyze, format_summary, plot_histogram
 
     trace = trace_from_args(args)
     summary = analyze(trace, args.max_length)

@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the traffic once, run every target, write the report."""
-    from lenbatch.benchrun import BenchConfig, lengths_summary, run_bench, targets_for
+    from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench, targets_for
 
     serve_args = shlex.split(args.serve_args)
     targets = targets_for(
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 def _append_calibration(report: Path, cost_path: str) -> None:
     """Add `lenbatch calibrate`'s table to the report and write DIR/calibrated_cost.json."""
     from lenbatch.cli.calibrate import calibrate_report
-    from lenbatch.costmodel import CostModel
+    from lenbatch.plan.costmodel import CostModel
 
     try:
         cal = calibrate_report(report.parent, CostModel.load(cost_path))
@@ -168,8 +168,8 @@ def _bucketed_boundaries(
     if "--boundaries" in serve_args:
         i = serve_args.index("--boundaries")
         return tuple(int(x) for x in serve_args[i + 1].split(","))
-    from lenbatch.buckets import default_boundaries
-    from lenbatch.textgen import model_max_length
+    from lenbatch.core.buckets import default_boundaries
+    from lenbatch.replay.bodies import model_max_length
 
     limit = model_max_length(model)
     if limit is None:

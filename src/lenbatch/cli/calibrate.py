@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lenbatch.calibration import ServingOverhead, calibrated, measure_overhead
-from lenbatch.costmodel import CostModel
+from lenbatch.plan.calibration import ServingOverhead, calibrated, measure_overhead
+from lenbatch.plan.costmodel import CostModel
 
 __all__ = ["Calibration", "calibrate_report", "register", "run"]
 
@@ -82,9 +82,9 @@ def _default_source(runs: dict[str, dict[str, Any]]) -> str:
 def _predict(record: dict[str, Any], cost: CostModel) -> dict[str, Any]:
     """The simulator's summary for the traffic this run sent, with the server's settings."""
     from lenbatch.cli.predict import serve_settings
-    from lenbatch.sim import simulate
-    from lenbatch.textgen import model_max_length
-    from lenbatch.trace import Trace
+    from lenbatch.plan.sim import simulate
+    from lenbatch.plan.trace import Trace
+    from lenbatch.replay.bodies import model_max_length
 
     command = record["command"]
     settings = serve_settings(command[command.index("serve") + 1 :])

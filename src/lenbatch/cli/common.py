@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lenbatch.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
+from lenbatch.plan.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
 __all__ = [
     "add_batching_options",

@@ -9,7 +9,7 @@ from typing import Any
 
 from lenbatch.cli.common import add_trace_options, trace_from_args
 from lenbatch.config import BatchingConfig
-from lenbatch.fitting import (
+from lenbatch.plan.fitting import (
     AUTO_MAX_BUCKETS,
     DEFAULT_GAIN_THRESHOLD,
     DEFAULT_MAX_OVERLONG_SHARE,
@@ -17,7 +17,7 @@ from lenbatch.fitting import (
     FitResult,
     fit_boundaries,
 )
-from lenbatch.trace import Trace
+from lenbatch.plan.trace import Trace
 
 __all__ = ["config_snippet", "register", "run"]
 
@@ -177,7 +177,7 @@ def config_snippet(
 
 def run(args: argparse.Namespace) -> int:
     """Load and map the trace, fit, print reasoning and the snippet (or JSON)."""
-    from lenbatch.costmodel import CostModel
+    from lenbatch.plan.costmodel import CostModel
 
     trace = trace_from_args(args)
     max_length = args.max_length

@@ -1,7 +1,7 @@
 """`bench --cost FILE`: the simulator's prediction of each strategy's run, beside the live one.
 
 The prediction replays the very plan the bench sends (same offsets, the bodies' real token
-lengths) through `lenbatch.sim.simulate` with the batching settings each `lenbatch serve`
+lengths) through `lenbatch.plan.sim.simulate` with the batching settings each `lenbatch serve`
 process gets (parsed by `serve`'s own option parser, so they cannot drift apart).
 """
 
@@ -14,12 +14,12 @@ from typing import Any
 
 from lenbatch.cli.traffic import Traffic
 from lenbatch.config import BatchingConfig, Settings
-from lenbatch.costmodel import CostModel
-from lenbatch.trace import Trace
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.trace import Trace
 
 __all__ = ["batching_for", "make_predictor", "serve_settings"]
 
-SimulateFn = Callable[..., Any]  # lenbatch.sim.simulate(trace, cost, batching, ...) -> SimRun
+SimulateFn = Callable[..., Any]  # lenbatch.plan.sim.simulate(trace, cost, batching, ...) -> SimRun
 
 
 def batching_for(
@@ -50,17 +50,17 @@ def make_predictor(
     serve_args: Sequence[str],
     simulate: SimulateFn | None = None,
 ) -> tuple[Callable[[str, float], dict[str, Any] | None], str]:
-    """(predictor, note for the report). `simulate` defaults to `lenbatch.sim.simulate`."""
+    """(predictor, note for the report). `simulate` defaults to `lenbatch.plan.sim.simulate`."""
     if simulate is None:
         try:
-            from lenbatch.sim import simulate as sim_simulate
+            from lenbatch.plan.sim import simulate as sim_simulate
         except ImportError:
             raise ValueError(
-                "--cost needs the simulator (lenbatch.sim), which this build does not have"
+                "--cost needs the simulator (lenbatch.plan.sim), which this build does not have"
             ) from None
         simulate = sim_simulate
     cost = CostModel.load(args.cost)
-    from lenbatch.textgen import model_max_length
+    from lenbatch.replay.bodies import model_max_length
 
     limit = model_max_length(args.model) or 512
     plan = traffic.plan
@@ -76,7 +76,7 @@ def make_predictor(
         return summary
 
     note = (
-        f"Predictions: `lenbatch.sim` with cost model {os.path.basename(args.cost)} "
+        f"Predictions: `lenbatch.plan.sim` with cost model {os.path.basename(args.cost)} "
         f"({cost.model or 'model not named'}, fit error {cost.fit_error:.1%}), on the same "
         "request offsets and real token lengths as the live runs."
     )

@@ -68,7 +68,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, profile it, fit, print the table and write the cost model."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from lenbatch.profile import bucket_max_batches, format_table, profile_and_fit
+    from lenbatch.plan.profile import bucket_max_batches, format_table, profile_and_fit
     from lenbatch.runners import load_runner
 
     runner = load_runner(args.model, device=args.device, torch_threads=args.torch_threads)

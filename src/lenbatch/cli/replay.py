@@ -83,7 +83,7 @@ def print_summary(s: dict[str, Any], file: Any = sys.stdout) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the bodies, replay, print (and optionally save) the summary."""
-    from lenbatch.replay import replay, summarize_replay
+    from lenbatch.replay.driver import replay, summarize_replay
 
     check_loopback(args.url)
     bounds = None

@@ -115,17 +115,17 @@ def run(args: argparse.Namespace) -> int:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from lenbatch.engine import Engine
-    from lenbatch.lengthlog import LengthLog
+    from lenbatch.embed.api import serve
+    from lenbatch.embed.engine import Engine
     from lenbatch.runners import load_runner
     from lenbatch.runners.causal import resolve_causal_model
-    from lenbatch.server import serve
+    from lenbatch.serving.lengthlog import LengthLog
 
     m = settings.model
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
     if causal is not None:
-        from lenbatch.server import serve_app
+        from lenbatch.serving.http import serve_app
 
         app, gen_engine = _llm_app(settings, causal, length_log)
         serve_app(app, gen_engine, settings)
@@ -169,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     """Load a causal LM and build the generation app (OpenAI completions)."""
+    from lenbatch.generate.api import create_llm_app
     from lenbatch.generate.engine import GenerationEngine
     from lenbatch.runners.causal import CausalLMRunner
-    from lenbatch.server_llm import create_llm_app
 
     m = settings.model
     log.info("loading causal LM %s from %s", ref.name, ref.gguf_file or ref.folder)

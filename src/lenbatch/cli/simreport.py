@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.buckets import default_boundaries
 from lenbatch.cli.common import add_batching_options, batching_overrides, trace_from_args
 from lenbatch.config import BatchingConfig, Settings, load_settings
-from lenbatch.costmodel import CostModel
-from lenbatch.oracle import oracle_for
-from lenbatch.sim import SimRun, simulate
-from lenbatch.sweep import offered_rps
-from lenbatch.trace import Trace, map_trace
+from lenbatch.core.buckets import default_boundaries
+from lenbatch.plan.costmodel import CostModel
+from lenbatch.plan.oracle import oracle_for
+from lenbatch.plan.sim import SimRun, simulate
+from lenbatch.plan.sweep import offered_rps
+from lenbatch.plan.trace import Trace, map_trace
 
 __all__ = [
     "MINILM_MAX_LENGTH",

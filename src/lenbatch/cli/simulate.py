@@ -19,7 +19,7 @@ from lenbatch.cli.simreport import (
     table,
 )
 from lenbatch.config import Strategy
-from lenbatch.sweep import SweepPoint, SweepResult, plot_sweep, sweep
+from lenbatch.plan.sweep import SweepPoint, SweepResult, plot_sweep, sweep
 
 __all__ = ["register", "run"]
 

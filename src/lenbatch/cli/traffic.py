@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from lenbatch.cli.common import add_trace_options, trace_from_args
-from lenbatch.endpoints import ENDPOINTS, Endpoint, make_endpoint
-from lenbatch.replay import ReplayPlan, plan_from_trace
-from lenbatch.scenarios import SCENARIOS, build_scenario, pools_from_builder
-from lenbatch.trace import Trace, map_trace
+from lenbatch.plan.trace import Trace, map_trace
+from lenbatch.replay.driver import ReplayPlan, plan_from_trace
+from lenbatch.replay.endpoints import ENDPOINTS, Endpoint, make_endpoint
+from lenbatch.replay.scenarios import SCENARIOS, build_scenario, pools_from_builder
 
 __all__ = ["Traffic", "add_traffic_options", "traffic_from_args"]
 
@@ -117,7 +117,7 @@ class Traffic:
 
 def traffic_from_args(args: argparse.Namespace) -> Traffic:
     """Load or build the traffic, then build every request body (before anything is sent)."""
-    from lenbatch.textgen import TextBuilder, load_tokenizer
+    from lenbatch.replay.bodies import TextBuilder, load_tokenizer
 
     if args.trace is None and args.scenario is None:
         raise ValueError("give a TRACE or --scenario")

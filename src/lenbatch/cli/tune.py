@@ -19,9 +19,9 @@ from lenbatch.cli.simreport import (
     per_bucket,
     side_by_side,
 )
-from lenbatch.fitting import FitMethod
-from lenbatch.sweep import offered_rps
-from lenbatch.tune import (
+from lenbatch.plan.fitting import FitMethod
+from lenbatch.plan.sweep import offered_rps
+from lenbatch.plan.tune import (
     DEFAULT_BATCHES,
     DEFAULT_BUCKETS,
     DEFAULT_WAITS_MS,

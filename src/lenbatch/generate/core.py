@@ -17,47 +17,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from lenbatch.collate import Collated, collate
+from lenbatch.core.collate import Collated, collate
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.sequence import Delta, Sequence
-from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.base import CausalRunner
 
-__all__ = ["CausalRunner", "DecodeCore", "PrefillJob", "UnitResult"]
-
-
-class CausalRunner(Protocol):
-    """What generation needs from a causal LM (see `lenbatch.runners.causal`)."""
-
-    info: ModelInfo
-    eos_token_ids: frozenset[int]
-    device: torch.device
-
-    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
-        """Token ids of each prompt."""
-        ...
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of generated ids (special tokens skipped)."""
-        ...
-
-    def new_cache(self) -> Any:
-        """An empty KV cache."""
-        ...
-
-    def forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
-    ) -> torch.Tensor:
-        """Logits of the last column, `[rows, vocab]`; appends the new columns to `cache`."""
-        ...
-
-    def memory(self) -> RunnerMemory:
-        """Weights and activation memory."""
-        ...
+__all__ = ["DecodeCore", "PrefillJob", "UnitResult"]
 
 
 @dataclass

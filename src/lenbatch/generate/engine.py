@@ -23,9 +23,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 
-from lenbatch.admission import Admission
-from lenbatch.buckets import BucketSet, default_boundaries
-from lenbatch.clock import Clock, MonotonicClock
 from lenbatch.config import (
     AdmissionConfig,
     BatchingConfig,
@@ -33,7 +30,10 @@ from lenbatch.config import (
     SchedulerConfig,
     Strategy,
 )
-from lenbatch.errors import (
+from lenbatch.core.admission import Admission
+from lenbatch.core.buckets import BucketSet, default_boundaries
+from lenbatch.core.clock import Clock, MonotonicClock
+from lenbatch.core.errors import (
     BadInput,
     DeadlineExceeded,
     InputTooLong,
@@ -43,16 +43,17 @@ from lenbatch.errors import (
     drain_timed_out,
     draining,
 )
-from lenbatch.generate.core import CausalRunner, DecodeCore, UnitResult
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request, RequestStatus
+from lenbatch.core.scheduler import schedule
+from lenbatch.generate.core import DecodeCore, UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import Unit, make_policy
 from lenbatch.generate.sampling import SamplingParams, TextTracker
 from lenbatch.generate.sequence import Delta, Sequence, Timings
-from lenbatch.lengthlog import LengthLog
-from lenbatch.metrics import Metrics
-from lenbatch.queues import Queues
-from lenbatch.request import Request, RequestStatus
-from lenbatch.scheduler import schedule
+from lenbatch.runners.base import CausalRunner
+from lenbatch.serving.lengthlog import LengthLog
+from lenbatch.serving.metrics import Metrics
 
 __all__ = ["GenState", "GenerationEngine"]
 

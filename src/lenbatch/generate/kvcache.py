@@ -25,14 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KVBatch", "cache_bytes", "merge", "new_cache"]
-
-
-def new_cache(config: Any = None) -> Any:
-    """An empty `DynamicCache` (full-attention layers) for one forward call chain."""
-    from transformers.cache_utils import DynamicCache
-
-    return DynamicCache(config=config) if config is not None else DynamicCache()
+__all__ = ["KVBatch", "cache_bytes", "merge"]
 
 
 def _layers(cache: Any) -> list[Any]:

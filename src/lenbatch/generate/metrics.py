@@ -1,4 +1,4 @@
-"""What generation measures, beside the per-bucket prefill batch figures (`lenbatch.metrics`):
+"""What generation measures, beside the per-bucket prefill figures (`lenbatch.serving.metrics`):
 time to first token split into stages, inter-token latency, end-to-end latency, token counts,
 decode batch sizes and their KV padding, and KV-cache memory apart from weights and activations.
 
@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lenbatch.generate.sequence import STAGES
-from lenbatch.metrics import percentile
+from lenbatch.serving.metrics import percentile
 
 __all__ = ["LMMetrics"]
 

@@ -1,6 +1,6 @@
 """Decode modes: which rows may be admitted now, and which unit of work runs next.
 
-Both modes take prefill batches from the same queues and scheduler (`lenbatch.scheduler`), so
+Both modes take prefill batches from the same queues and scheduler (`lenbatch.core.scheduler`), so
 length bucketing, max wait and the token budget mean the same in both; they differ only here.
 
 * `static`: a scheduler batch is prefilled in one pass and decoded together until every row has

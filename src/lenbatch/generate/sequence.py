@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from lenbatch.core.request import Request
 from lenbatch.generate.sampling import SamplingParams, TextTracker, make_generator
-from lenbatch.request import Request
 
 __all__ = ["STAGES", "Delta", "Sequence", "Timings"]
 

@@ -1,22 +1,27 @@
-"""The narrow contract between the engine and a model.
+"""The narrow contracts between the engines and a model.
 
-The engine only needs to know a model's length limit and padding rules (`ModelInfo`), how to
-turn text into token ids (`tokenize`), and how to run one collated batch (`embed`). Everything
-above this line is testable with the deterministic `FakeRunner`.
+An embedding engine only needs to know a model's length limit and padding rules (`ModelInfo`),
+how to turn text into token ids (`tokenize`), and how to run one collated batch (`embed`): the
+`EmbeddingRunner`. Generation needs a causal LM's forward step over a KV cache: the
+`CausalRunner`. Everything above this line is testable with the deterministic `FakeRunner` and
+the tiny random models of `lenbatch.runners.tiny`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.collate import Collated
+from lenbatch.core.collate import Collated
 
-__all__ = ["EmbeddingRunner", "ModelInfo", "RunnerMemory"]
+if TYPE_CHECKING:  # torch only for annotations: the protocols import without it
+    import torch
+
+__all__ = ["CausalRunner", "EmbeddingRunner", "ModelInfo", "RunnerMemory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,4 +64,34 @@ class EmbeddingRunner(Protocol):
 
     def memory(self) -> RunnerMemory:
         """Weights and activation memory as measured now."""
+        ...
+
+
+class CausalRunner(Protocol):
+    """What generation needs from a causal LM (`runners.causal`, `runners.tiny`)."""
+
+    info: ModelInfo
+    eos_token_ids: frozenset[int]
+    device: torch.device
+
+    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        """Token ids of each prompt."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of generated ids (special tokens skipped)."""
+        ...
+
+    def new_cache(self) -> Any:
+        """An empty KV cache."""
+        ...
+
+    def forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Logits of the last column, `[rows, vocab]`; appends the new columns to `cache`."""
+        ...
+
+    def memory(self) -> RunnerMemory:
+        """Weights and activation memory."""
         ...

@@ -29,6 +29,7 @@ __all__ = [
     "CausalLMRunner",
     "CausalModelRef",
     "is_causal_folder",
+    "new_cache",
     "resolve_causal_model",
     "smollm2_folder",
 ]
@@ -67,6 +68,13 @@ def is_causal_folder(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
+def new_cache(config: Any = None) -> Any:
+    """An empty `DynamicCache` (full-attention layers) for one forward call chain."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=config) if config is not None else DynamicCache()
 
 
 class CausalModelRef:
@@ -186,8 +194,6 @@ class CausalLMRunner:
 
     def new_cache(self) -> Any:
         """An empty KV cache for this model."""
-        from lenbatch.generate.kvcache import new_cache
-
         return new_cache(self.model.config)
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lenbatch.collate import Collated
+from lenbatch.core.collate import Collated
 from lenbatch.runners.base import ModelInfo, RunnerMemory
 from lenbatch.runners.memory import current_rss, peak_rss
 

@@ -18,8 +18,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.clock import FakeClock
-from lenbatch.collate import Collated
+from lenbatch.core.clock import FakeClock
+from lenbatch.core.collate import Collated
 from lenbatch.runners.base import ModelInfo, RunnerMemory
 
 __all__ = ["FakeRunner", "SeenBatch"]

@@ -29,8 +29,8 @@ from urllib.parse import parse_qsl
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.collate import Collated
-from lenbatch.errors import RunnerCrashed
+from lenbatch.core.collate import Collated
+from lenbatch.core.errors import RunnerCrashed
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo, RunnerMemory
 from lenbatch.runners.fake import FakeRunner
 

@@ -21,8 +21,9 @@ import httpx
 import uvicorn
 
 from lenbatch.config import Settings
-from lenbatch.engine import Engine
-from lenbatch.server import DrainingServer, create_app
+from lenbatch.embed.api import create_app
+from lenbatch.embed.engine import Engine
+from lenbatch.serving.http import DrainingServer
 
 
 @contextmanager

@@ -19,9 +19,9 @@ from robust_servers import live_server
 from schemathesis import GenerationMode
 
 from lenbatch.config import BatchingConfig, Settings
-from lenbatch.engine import Engine
+from lenbatch.embed.api import create_app
+from lenbatch.embed.engine import Engine
 from lenbatch.runners.fake import FakeRunner
-from lenbatch.server import create_app
 
 EXAMPLES_PER_OPERATION = 150
 SEEN: Counter[str] = Counter()

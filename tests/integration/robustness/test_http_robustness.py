@@ -19,11 +19,11 @@ import pytest
 from robust_servers import live_server
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, Settings
-from lenbatch.engine import Engine
-from lenbatch.lengthlog import LengthLog
+from lenbatch.embed.api import create_app
+from lenbatch.embed.engine import Engine
 from lenbatch.runners.fake import FakeRunner
 from lenbatch.runners.faulty import FaultyRunner
-from lenbatch.server import create_app
+from lenbatch.serving.lengthlog import LengthLog
 
 CANARY = "zq9CANARYx7"
 FAKE = FakeRunner()

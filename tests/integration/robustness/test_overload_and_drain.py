@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from robust_servers import Outcome, burst, serve_process
 
-from lenbatch.metrics import percentile
+from lenbatch.serving.metrics import percentile
 
 BATCH_MS = 200
 MAX_BATCH = 4

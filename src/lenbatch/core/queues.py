@@ -1,0 +1,89 @@
+"""The waiting room: one FIFO per lane, plus the count of batches each lane has in flight.
+
+Lanes are the scheduler's queues: a single one for `static`, `fifo` and `sorted`; one per
+length bucket plus the overlong lane for `bucketed`. The queues also count the batches each
+lane has running or prepared, because the scheduler needs both to decide (free runner slots,
+the overlong lane's quota). Pure bookkeeping: no clock, no asyncio.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+
+from lenbatch.config import SchedulerConfig, Strategy
+from lenbatch.core.request import Request
+
+__all__ = ["Queues"]
+
+
+class Queues:
+    """Per-lane FIFO queues and in-flight batch counters for one `SchedulerConfig`."""
+
+    __slots__ = ("_bounds", "_bucketed", "inflight", "inflight_total", "lanes", "size")
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.lanes: list[deque[Request]] = [deque() for _ in cfg.lanes]
+        self.inflight: list[int] = [0] * len(cfg.lanes)
+        self.inflight_total = 0
+        self.size = 0
+        self._bucketed = cfg.strategy is Strategy.BUCKETED
+        self._bounds = cfg.boundaries
+
+    def lane_of(self, length: int) -> int:
+        """The lane a request of `length` tokens waits in."""
+        return bisect_left(self._bounds, length) if self._bucketed else 0
+
+    def push(self, request: Request) -> int:
+        """Queue `request` at the back of its lane; returns the lane."""
+        lane = self.lane_of(request.length)
+        request.lane = lane
+        self.lanes[lane].append(request)
+        self.size += 1
+        return lane
+
+    def push_front(self, requests: list[Request]) -> None:
+        """Put requests back at the front of their lanes, keeping their given order."""
+        for r in reversed(requests):
+            self.lanes[r.lane].appendleft(r)
+        self.size += len(requests)
+
+    def remove(self, request: Request) -> bool:
+        """Take a waiting request out (cancelled or expired); False if it is no longer queued."""
+        lane = request.lane
+        if lane < 0 or lane >= len(self.lanes):
+            return False
+        try:
+            self.lanes[lane].remove(request)
+        except ValueError:
+            return False
+        self.size -= 1
+        return True
+
+    def depth(self, lane: int) -> int:
+        """Requests waiting in `lane`."""
+        return len(self.lanes[lane])
+
+    def depths(self) -> list[int]:
+        """Requests waiting in each lane."""
+        return [len(q) for q in self.lanes]
+
+    def batch_started(self, lane: int) -> None:
+        """Count a batch of `lane` as in flight (the scheduler calls this when it emits one)."""
+        self.inflight[lane] += 1
+        self.inflight_total += 1
+
+    def batch_done(self, lane: int) -> None:
+        """A batch of `lane` finished (or failed): free its slot."""
+        if self.inflight[lane] <= 0:
+            raise RuntimeError(f"bug: batch_done for lane {lane} with nothing in flight")
+        self.inflight[lane] -= 1
+        self.inflight_total -= 1
+
+    def drain(self) -> list[Request]:
+        """Remove and return every waiting request (shutdown, runner crash)."""
+        out = [r for q in self.lanes for r in q]
+        for q in self.lanes:
+            q.clear()
+        self.size = 0
+        return out

@@ -1,0 +1,559 @@
+"""The engine: the one asyncio loop that admits, schedules, collates, runs and answers.
+
+    submit ─► admission ─► queues ─► schedule() ─► collate ─► runner (worker thread) ─► futures
+
+Every admitted input is a `Request` with one future; it is answered exactly once, with its
+vector or an explicit error, through the `Ledger`. The loop sleeps until new work arrives, a
+batch finishes, or the scheduler's `wake_at`. Batches beyond the runner's concurrency are
+collated ahead of time (prefetch) and wait for a runner slot; cancelled or expired members are
+dropped before they cost compute.
+
+When the model fails:
+
+* a batch that raises is bisected, so a poison input fails alone (500 `model_error`) and the
+  rest of its batch succeeds;
+* a batch that runs out of memory (`MemoryError`, torch's `OutOfMemoryError`) is split and the
+  halves retried, and its lane's batch cap is halved for a cool-down (`BatchCaps`); an input
+  that runs out of memory alone is answered 503 `out_of_memory`;
+* a runner that raises `RunnerCrashed`, that keeps failing and then fails a known-good probe
+  input, or whose batch runs past `batch_timeout_s`, is declared crashed: the engine turns
+  not-ready and answers every waiting request 503.
+
+Shutdown: `begin_drain()` refuses new requests (503) and flushes the queues without waiting for
+batches to fill; `stop()` waits for every admitted request up to a timeout and answers whatever
+is left with 503. Nothing admitted is dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+from lenbatch.config import (
+    AdmissionConfig,
+    BatchingConfig,
+    RecoveryConfig,
+    SchedulerConfig,
+    Strategy,
+)
+from lenbatch.core.admission import Admission
+from lenbatch.core.buckets import BucketSet, default_boundaries
+from lenbatch.core.clock import Clock, MonotonicClock
+from lenbatch.core.collate import Collated, collate
+from lenbatch.core.errors import (
+    BadInput,
+    DeadlineExceeded,
+    InputTooLong,
+    LenbatchError,
+    ModelFailed,
+    OutOfMemory,
+    RunnerCrashed,
+    Unavailable,
+    drain_timed_out,
+    draining,
+    is_out_of_memory,
+)
+from lenbatch.core.queues import Queues
+from lenbatch.core.recovery import BatchCaps
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.embed.ledger import Ledger, Ticket
+from lenbatch.runners.base import EmbeddingRunner
+from lenbatch.serving.lengthlog import LengthLog
+from lenbatch.serving.metrics import Metrics
+
+__all__ = ["Engine", "EngineState"]
+
+log = logging.getLogger("lenbatch.embed.engine")
+
+Vector = npt.NDArray[np.float32]
+
+_PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
+
+
+class EngineState(StrEnum):
+    """Lifecycle of an engine."""
+
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"  # shutting down: no new requests, queued ones still answered
+    FAILED = "failed"  # the runner crashed: nothing more can be served
+    STOPPED = "stopped"
+
+
+class Engine:
+    """Length-aware dynamic batching in front of an `EmbeddingRunner`."""
+
+    def __init__(
+        self,
+        runner: EmbeddingRunner,
+        batching: BatchingConfig | None = None,
+        admission: AdmissionConfig | None = None,
+        *,
+        recovery: RecoveryConfig | None = None,
+        clock: Clock | None = None,
+        default_truncate: bool = False,
+        length_log: LengthLog | None = None,
+    ) -> None:
+        self.runner = runner
+        self.info = runner.info
+        self.batching = batching or BatchingConfig()
+        self.recovery = recovery or RecoveryConfig()
+        self.clock: Clock = clock or MonotonicClock()
+        self.default_truncate = default_truncate
+        self.uses_default_boundaries = (
+            self.batching.strategy is Strategy.BUCKETED and self.batching.boundaries is None
+        )
+        base = self.batching.resolve(self.info.max_length, default_boundaries(self.info.max_length))
+        self.caps = BatchCaps(base, self.recovery.oom_cooldown_s)
+        self.cfg: SchedulerConfig = base  # what the scheduler runs with now (caps, draining)
+        if base.strategy is Strategy.BUCKETED:
+            labels = BucketSet(base.boundaries, self.info.max_length).labels()
+        else:
+            labels = ["all"]
+        self.lane_labels = labels
+        self.queues = Queues(base)
+        self.metrics = Metrics(labels, base.strategy.value)
+        self.metrics.set_batch_caps(self.caps.caps())
+        self.ledger = Ledger(self.clock, self.metrics, labels, length_log)
+        self.admission = Admission(admission or AdmissionConfig(), base, self.clock.now())
+        self.request_timeout = (admission or AdmissionConfig()).request_timeout_s
+        self.state = EngineState.NEW
+        self.failure: str | None = None  # why the runner was declared crashed
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.batching.max_concurrent_batches, thread_name_prefix="lenbatch-runner"
+        )
+        self._wakeup: asyncio.Event | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._failures_in_row = 0  # failed model calls (not out-of-memory) since a success
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the scheduling loop on the running event loop."""
+        if self.state is not EngineState.NEW:
+            raise RuntimeError(f"engine already {self.state.value}")
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.batching.max_concurrent_batches)
+        self.state = EngineState.RUNNING
+        self.metrics.set_ready(True)
+        self._loop_task = asyncio.create_task(self._loop(), name="lenbatch-engine")
+        mem = self.runner.memory()
+        self.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) from now on and run queued ones without waiting for
+        their batches to fill. Idempotent; `stop()` finishes the shutdown."""
+        if self.state is not EngineState.RUNNING:
+            return
+        self.state = EngineState.DRAINING
+        self.metrics.set_ready(False)
+        log.info("draining: %d admitted requests unanswered", self.ledger.unanswered)
+        self._apply_caps()
+        self._kick()
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every admitted request has been answered; False if `timeout` seconds
+        passed first."""
+        return await self.ledger.wait_idle(timeout)
+
+    async def drain(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests and wait up to `timeout` seconds for every admitted one to be
+        answered; answer whatever is left with 503. The loop keeps running."""
+        self.begin_drain()
+        if await self.wait_idle(timeout):
+            return
+        self.queues.drain()
+        left = self.ledger.live()
+        log.warning("drain timeout of %s s passed: answering %d with 503", timeout, len(left))
+        err = drain_timed_out(timeout)
+        for r in left:
+            self.ledger.fail(r, err)
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        """`drain(timeout)`, then stop the loop and the runner thread. Nothing admitted is
+        dropped silently."""
+        if self.state in (EngineState.NEW, EngineState.STOPPED):
+            self.state = EngineState.STOPPED
+            self._executor.shutdown(wait=False)
+            return
+        await self.drain(timeout)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for task in list(self._batch_tasks):
+            task.cancel()  # their requests are all answered by now
+        self.state = EngineState.STOPPED
+        self.metrics.set_ready(False)
+        self._executor.shutdown(wait=False)
+        self.ledger.close()
+
+    @property
+    def ready(self) -> bool:
+        """True while the engine accepts work."""
+        return self.state is EngineState.RUNNING
+
+    @property
+    def unanswered(self) -> int:
+        """Admitted requests not answered yet (queued, prepared or running)."""
+        return self.ledger.unanswered
+
+    def _refusal(self) -> Unavailable:
+        if self.state is EngineState.DRAINING:
+            return draining()
+        if self.state is EngineState.FAILED:
+            return Unavailable(
+                f"the model runner has failed ({self.failure}); this server must be restarted",
+                retry_after=5.0,
+                code="runner_failed",
+            )
+        return Unavailable(f"server is {self.state.value}; not accepting requests")
+
+    # ------------------------------------------------------------------ submitting
+
+    def tokenize(self, texts: Sequence[str], truncate: bool | None = None) -> list[list[int]]:
+        """Token ids of `texts` (the caller drops the text afterwards)."""
+        return self.runner.tokenize(texts, self.default_truncate if truncate is None else truncate)
+
+    async def embed(
+        self,
+        inputs: Sequence[Sequence[int]],
+        *,
+        truncate: bool | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> list[Vector]:
+        """Embed each token-id sequence; returns one vector per input, in order.
+
+        Raises a `LenbatchError` (bad input, too long, overloaded, deadline, model failure,
+        unavailable); with several inputs its message starts with the failing input's index.
+        If the caller is cancelled, its requests leave the queue before they cost compute.
+        """
+        if self.state is not EngineState.RUNNING:
+            raise self._refusal()
+        if not inputs:
+            raise BadInput("no inputs given")
+        assert self._wakeup is not None
+        truncate = self.default_truncate if truncate is None else truncate
+        limit = self.info.max_length
+        seqs: list[list[int]] = []
+        for i, ids in enumerate(inputs):
+            if len(ids) == 0:
+                raise BadInput(f"input {i} is empty (0 tokens)")
+            if len(ids) > limit:
+                if not truncate:
+                    self.metrics.record_rejection("too_long")
+                    raise InputTooLong(
+                        f"input {i} has {len(ids)} tokens; the model's limit is {limit}. "
+                        "Shorten it or send truncate=true"
+                    )
+                ids = ids[:limit]
+            seqs.append(list(ids))
+        now = self.clock.now()
+        refusal = self.admission.check([len(s) for s in seqs], self.queues, now)
+        if refusal is not None:
+            self.metrics.record_rejection(refusal.code)
+            raise refusal
+        timeout = timeout if timeout is not None else self.request_timeout
+        deadline = None if timeout is None else now + timeout
+        loop = asyncio.get_running_loop()
+        requests = []
+        for ids in seqs:
+            ticket = Ticket(loop.create_future())
+            r = Request(len(ids), now, ids, deadline=deadline, priority=priority, handle=ticket)
+            if timeout is not None:
+                ticket.timer = loop.call_later(timeout, self._on_deadline, r)
+            self.queues.push(r)
+            requests.append(r)
+        self.ledger.admit(requests)
+        self._kick()
+        try:
+            return list(await asyncio.gather(*(r.handle.future for r in requests)))
+        except LenbatchError as err:
+            culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)
+            if len(requests) == 1 or culprit is None:
+                raise
+            raise type(err)(
+                f"input {culprit}: {err.message}", retry_after=err.retry_after, code=err.code
+            ) from None
+        finally:
+            # On error or cancellation: nobody wants the siblings any more.
+            for r in requests:
+                if not r.handle.finished:
+                    self._cancel(r)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _kick(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _apply_caps(self) -> None:
+        self.cfg = self.caps.config(draining=self.state is not EngineState.RUNNING)
+        self.metrics.set_batch_caps(self.caps.caps())
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            now = self.clock.now()
+            restored = self.caps.expire(now)
+            if restored:
+                for lane in restored:
+                    log.info("batch cap of bucket %s restored", self.lane_labels[lane])
+                self._apply_caps()
+            decision = schedule(self.queues, now, self.cfg)
+            for r in decision.expired:
+                self.ledger.fail(r, self._expired_error(r))
+            for batch in decision.batches:
+                task = asyncio.create_task(self._run_batch(batch))
+                self._batch_tasks.add(task)
+                task.add_done_callback(self._batch_tasks.discard)
+            self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
+            timer = None
+            if decision.wake_at is not None:
+                delay = max(0.0, decision.wake_at - self.clock.now())
+                timer = loop.call_later(delay, self._wakeup.set)
+            await self._wakeup.wait()
+            if timer is not None:
+                timer.cancel()
+
+    async def _run_batch(self, batch: Batch) -> None:
+        assert self._slots is not None
+        pad_to = self.cfg.lanes[batch.lane].pad_to
+        try:
+            # Prepared while an earlier batch may still be running (prefetch).
+            prepared = self._collate(batch.requests, pad_to)
+            async with self._slots:
+                if self.state is EngineState.FAILED:
+                    for r in batch.requests:
+                        self.ledger.fail(r, self._refusal())
+                    return
+                now = self.clock.now()
+                live = []
+                for r in batch.requests:
+                    if r.handle.finished:
+                        continue  # cancelled or expired while waiting: costs nothing
+                    if r.deadline is not None and r.deadline <= now:
+                        self.ledger.fail(r, self._expired_error(r))
+                        continue
+                    live.append(r)
+                if not live:
+                    return
+                if len(live) != len(batch.requests):
+                    prepared = self._collate(live, pad_to)
+                await self._execute(batch.lane, live, prepared, pad_to)
+        except Exception:  # a bug above the runner: never leave a request hanging
+            log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
+            for r in batch.requests:
+                self.ledger.fail(r, ModelFailed("internal error while running this batch"))
+        finally:
+            self.queues.batch_done(batch.lane)
+            self._kick()
+
+    def _collate(self, requests: Sequence[Request], pad_to: int | None) -> Collated:
+        return collate(
+            [r.token_ids or [] for r in requests],
+            self.info.pad_token_id,
+            self.info.padding_side,
+            pad_to=pad_to,
+            position_ids=self.info.needs_position_ids,
+        )
+
+    async def _execute(
+        self, lane: int, live: list[Request], batch: Collated, pad_to: int | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        start = self.clock.now()
+        for r in live:
+            r.handle.started = start
+        running = loop.run_in_executor(self._executor, self.runner.embed, batch)
+        limit = self.recovery.batch_timeout_s
+        if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
+            self._crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
+            for r in live:
+                self.ledger.fail(r, self._refusal())
+            return
+        try:
+            out = await running
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # whatever the model raises, every request gets an answer
+            await self._on_batch_error(lane, live, batch, pad_to, exc)
+            return
+        end = self.clock.now()
+        if out.shape[0] != len(live):
+            raise RuntimeError(f"bug: runner returned {out.shape[0]} rows for {len(live)} inputs")
+        self._failures_in_row = 0
+        exec_s = end - start
+        self.metrics.record_batch(
+            lane,
+            len(live),
+            batch.real_tokens,
+            batch.padded_tokens,
+            exec_s,
+            [start - r.arrival for r in live],
+        )
+        log.debug(
+            "batch lane=%s size=%d padded_len=%d real=%d exec_ms=%.1f",
+            self.lane_labels[lane],
+            len(live),
+            batch.input_ids.shape[1],
+            batch.real_tokens,
+            exec_s * 1000,
+        )
+        for r, vec in zip(live, out, strict=True):
+            r.handle.exec_s = exec_s
+            self.ledger.answer(r, vec)
+
+    # ------------------------------------------------------------------ when the model fails
+
+    async def _on_batch_error(
+        self,
+        lane: int,
+        live: list[Request],
+        batch: Collated,
+        pad_to: int | None,
+        exc: BaseException,
+    ) -> None:
+        """Isolate a failure: split on out-of-memory, bisect on an error, stop on a crash.
+
+        Only the exception's type is logged: its message may quote the input.
+        """
+        kind = type(exc).__name__
+        if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
+            self._crash(lane, f"the runner raised {kind}")
+            for r in live:
+                self.ledger.fail(r, self._refusal())
+            return
+        width = int(batch.input_ids.shape[1])
+        if is_out_of_memory(exc):
+            self.metrics.record_failure(lane, "oom")
+            cap = self.caps.lower(lane, len(live), self.clock.now())
+            self._apply_caps()
+            if len(live) == 1:
+                r = live[0]
+                log.warning("out of memory on request %s alone (%d tokens)", r.id, r.length)
+                msg = (
+                    f"out of memory running this input alone ({r.length} tokens, padded to "
+                    f"{width}); retry later or send a shorter input"
+                )
+                self.ledger.fail(r, OutOfMemory(msg, retry_after=max(1.0, self.caps.cooldown_s)))
+                return
+            log.warning(
+                "out of memory on a batch of %d x %d tokens (%s): splitting; bucket %s capped "
+                "at %d for %g s",
+                len(live),
+                width,
+                kind,
+                self.lane_labels[lane],
+                cap,
+                self.caps.cooldown_s,
+            )
+        else:
+            self.metrics.record_failure(lane, "error")
+            self._failures_in_row += 1
+            if self._failures_in_row >= self.recovery.probe_after_failures:
+                if not await self._probe_ok():
+                    self._crash(
+                        lane,
+                        f"{self._failures_in_row} model calls failed in a row ({kind}) and a "
+                        "known-good probe input failed too",
+                    )
+                    for r in live:
+                        self.ledger.fail(r, self._refusal())
+                    return
+                self._failures_in_row = 0
+            if len(live) == 1:
+                r = live[0]
+                log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
+                msg = f"the model failed on this input ({kind}); other inputs are unaffected"
+                self.ledger.fail(r, ModelFailed(msg))
+                return
+            log.warning("batch of %d failed (%s); bisecting", len(live), kind)
+        mid = len(live) // 2
+        for half in (live[:mid], live[mid:]):
+            half = [r for r in half if not r.handle.finished]
+            if not half:
+                continue
+            if self.state is EngineState.FAILED:
+                for r in half:
+                    self.ledger.fail(r, self._refusal())
+                continue
+            await self._execute(lane, half, self._collate(half, pad_to), pad_to)
+
+    async def _probe_ok(self) -> bool:
+        """Run one fixed, known-good input: does the runner still work at all?"""
+        ids = self.runner.tokenize([_PROBE_TEXT], True)[0]
+        probe = collate(
+            [ids],
+            self.info.pad_token_id,
+            self.info.padding_side,
+            position_ids=self.info.needs_position_ids,
+        )
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.embed, probe
+            )
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.error("probe input failed too (%s)", type(exc).__name__)
+            return False
+        log.info("probe input succeeded: the failures were the inputs', not the runner's")
+        return True
+
+    def _crash(self, lane: int, reason: str) -> None:
+        """Declare the runner unusable: not ready, every queued request answered 503."""
+        self.metrics.record_failure(lane, "crash")
+        if self.state in (EngineState.FAILED, EngineState.STOPPED):
+            return
+        self.state = EngineState.FAILED
+        self.failure = reason
+        self.metrics.set_ready(False)
+        waiting = self.queues.drain()
+        log.error("runner crashed: %s; answering %d queued requests with 503", reason, len(waiting))
+        err = self._refusal()
+        for r in waiting:
+            self.ledger.fail(r, err)
+        self._kick()
+
+    # ------------------------------------------------------------------ answering
+
+    def _cancel(self, r: Request) -> None:
+        self.queues.remove(r)
+        if self.ledger.cancel(r):
+            self._kick()
+
+    def _on_deadline(self, r: Request) -> None:
+        t: Ticket = r.handle
+        t.timer = None
+        if t.finished or t.started is not None:
+            return  # answered, or already running: let it finish
+        self.queues.remove(r)
+        self.ledger.fail(r, self._expired_error(r))
+        self._kick()
+
+    def _expired_error(self, r: Request) -> DeadlineExceeded:
+        assert r.deadline is not None
+        waited = self.clock.now() - r.arrival
+        return DeadlineExceeded(
+            f"request timeout of {r.deadline - r.arrival:.3f} s passed after {waited:.3f} s "
+            "waiting; it was dropped before running"
+        )
+
+
+def _failed_with(r: Request, err: BaseException) -> bool:
+    fut: asyncio.Future[Vector] = r.handle.future
+    return fut.done() and not fut.cancelled() and fut.exception() is err

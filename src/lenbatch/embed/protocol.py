@@ -1,0 +1,46 @@
+"""OpenAI's embeddings protocol as lenbatch speaks it: the request body of `POST /v1/embeddings`
+and how vectors are encoded in the answer."""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+__all__ = ["EmbeddingRequest", "Input", "encode_vector"]
+
+_Text = Annotated[StrictStr, Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Input = Annotated[
+    _Text
+    | Annotated[list[_Text], Field(min_length=1)]
+    | _TokenIds
+    | Annotated[list[_TokenIds], Field(min_length=1)],
+    Field(description="Text, list of texts, token ids, or list of token-id lists."),
+]
+
+
+class EmbeddingRequest(BaseModel):
+    """Body of `POST /v1/embeddings`, as in OpenAI's API, plus TEI's `truncate`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: Input
+    model: str | None = Field(None, description="Model name; must match the served model.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="`float` lists or `base64` little-endian float32."
+    )
+    dimensions: int | None = Field(None, ge=1, description="Must equal the model's width if given.")
+    user: str | None = Field(None, description="Ignored; accepted for compatibility.")
+    truncate: bool | None = Field(
+        None, description="Cut inputs over the model limit instead of rejecting them."
+    )
+
+
+def encode_vector(vec: np.ndarray[Any, Any], fmt: str) -> Any:
+    """One vector as the answer carries it: a float list, or base64 of little-endian float32."""
+    if fmt == "base64":
+        return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+    return vec.tolist()

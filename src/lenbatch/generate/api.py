@@ -1,0 +1,322 @@
+"""The HTTP layer for causal LMs: OpenAI-compatible completions over a `GenerationEngine`.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (when the tokenizer has a chat
+template), both with `stream: true` as server-sent events; `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus: prefill batches per bucket plus the generation series), `GET /stats`.
+
+Beyond OpenAI's fields, responses carry a `lenbatch` object with each choice's TTFT breakdown
+(tokenize, queue, schedule, prefill, first_token), inter-token latency and end-to-end time;
+requests may send `ignore_eos` (as vLLM) to generate exactly `max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lenbatch.config import Settings
+from lenbatch.core.errors import BadInput, LenbatchError
+from lenbatch.generate.engine import GenerationEngine
+from lenbatch.generate.protocol import (
+    ChatRequest,
+    CommonOptions,
+    CompletionRequest,
+    chunk,
+    obj_line,
+    usage,
+)
+from lenbatch.generate.sampling import SamplingParams
+from lenbatch.generate.sequence import Delta
+from lenbatch.generate.sequence import Sequence as GenSequence
+from lenbatch.serving.http import check_model, error_response, new_app, until_disconnect
+
+__all__ = ["create_llm_app"]
+
+log = logging.getLogger("lenbatch.serving.http")
+
+
+_Timeout = Annotated[
+    float | None,
+    Header(
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds the request may wait in the queue before it is answered 504.",
+    ),
+]
+
+
+def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; starts and drains it with the app's lifespan."""
+    settings = settings or Settings()
+    served = settings.server.served_model_name or engine.info.name
+    accepted = {served, engine.info.name, settings.model.name}
+    gen = settings.generation
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info(
+            "generation engine started: strategy=%s mode=%s lanes=%s",
+            engine.cfg.strategy.value,
+            engine.mode,
+            ",".join(engine.lane_labels),
+        )
+        yield
+        await engine.stop(timeout=settings.server.drain_timeout_s)
+
+    app = new_app(settings, lifespan)
+
+    def context_left(prompt_len: int) -> int:
+        left = engine.info.max_length - prompt_len
+        cap = gen.max_tokens_limit
+        return max(1, min(left, cap) if cap is not None else left)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while accepting work, 503 (with the state) while draining or stopped."""
+        if engine.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": engine.state.value}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition: prefill batches per bucket, then generation series."""
+        engine.refresh_memory()
+        body = engine.metrics.prometheus() + engine.lm.prometheus()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        """JSON summary: prefill waste per bucket, TTFT stages, ITL, KV cache, memory."""
+        engine.refresh_memory()
+        out = engine.metrics.stats()
+        out.update(engine.lm.stats())
+        out["model"] = served
+        out["decode_mode"] = engine.mode
+        out["boundaries"] = list(engine.cfg.boundaries)
+        out["default_boundaries"] = engine.uses_default_boundaries
+        out["queue_depths"] = engine.queues.depths()
+        return JSONResponse(out)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        """The one served model, OpenAI style."""
+        entry = {"id": served, "object": "model", "owned_by": "lenbatch", "created": 0}
+        entry["max_model_len"] = engine.info.max_length
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.post("/v1/completions")
+    async def completions(
+        body: CompletionRequest, request: Request, x_request_timeout: _Timeout = None
+    ) -> Response:
+        """OpenAI-compatible text completion; each prompt is batched by its own length."""
+        arrival = engine.clock.now()
+        check_model(body.model, accepted, served)
+        why = body.unsupported()
+        if why is not None:
+            raise BadInput(why)
+        prompts = _prompt_ids(body.prompt, engine)
+        longest = max(len(p) for p in prompts)
+        max_tokens = body.max_tokens or min(gen.default_max_tokens, context_left(longest))
+        params = body.sampling(max_tokens)
+        seqs = _submit_all(engine, prompts, params, arrival, x_request_timeout)
+        return await _respond(request, engine, seqs, body, served, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        body: ChatRequest, request: Request, x_request_timeout: _Timeout = None
+    ) -> Response:
+        """OpenAI-compatible chat completion through the tokenizer's chat template."""
+        arrival = engine.clock.now()
+        check_model(body.model, accepted, served)
+        if (why := body.unsupported()) is not None:
+            raise BadInput(why)
+        if not getattr(engine.runner, "has_chat_template", False):
+            raise BadInput(f"model {served} has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = engine.runner.chat_prompt(messages)  # type: ignore[attr-defined]
+        max_tokens = body.max_completion_tokens or body.max_tokens or context_left(len(prompt))
+        params = body.sampling(max_tokens)
+        seqs = _submit_all(engine, [prompt], params, arrival, x_request_timeout)
+        return await _respond(request, engine, seqs, body, served, chat=True)
+
+    return app
+
+
+def _prompt_ids(
+    raw: str | list[str] | list[int] | list[list[int]], engine: GenerationEngine
+) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized, then dropped)."""
+    if isinstance(raw, str):
+        raw = [raw]
+    if not raw:
+        raise BadInput("prompt is empty: give a string, a list of strings or token ids")
+    if isinstance(raw[0], int):
+        raw = [raw]  # one token array
+    if isinstance(raw[0], str):
+        texts: list[str] = raw
+        if any(not t for t in texts):
+            raise BadInput("a prompt is an empty string")
+        return engine.tokenize(texts)
+    ids: list[list[int]] = raw
+    return ids
+
+
+def _submit_all(
+    engine: GenerationEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    arrival: float,
+    timeout: float | None,
+) -> list[GenSequence]:
+    """Submit every prompt of one call; if one is refused, withdraw the others."""
+    seqs: list[GenSequence] = []
+    try:
+        for p in prompts:
+            seqs.append(engine.submit(p, params, arrival=arrival, timeout=timeout))
+    except LenbatchError:
+        for s in seqs:
+            engine.cancel(s)
+        raise
+    return seqs
+
+
+async def _merged(
+    engine: GenerationEngine, seqs: Sequence[GenSequence]
+) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every sequence as they arrive."""
+    if len(seqs) == 1:
+        async for d in engine.stream(seqs[0]):
+            yield 0, d
+        return
+    out: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, s: GenSequence) -> None:
+        try:
+            async for d in engine.stream(s):
+                out.put_nowait((i, d))
+        except BaseException as exc:  # forwarded to the consumer
+            out.put_nowait(exc)
+            return
+        out.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(seqs)]
+    try:
+        done = 0
+        while done < len(seqs):
+            item = await out.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in seqs:
+            engine.cancel(s)
+
+
+async def _respond(
+    request: Request,
+    engine: GenerationEngine,
+    seqs: list[GenSequence],
+    body: CommonOptions,
+    served: str,
+    *,
+    chat: bool,
+) -> Response:
+    rid = ("chatcmpl-" if chat else "cmpl-") + seqs[0].request.id
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(engine, seqs, rid, created, served, chat, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    work = asyncio.ensure_future(_collect(engine, seqs))
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()  # the client left: its sequences leave the batch
+        gone.cancel()
+    if work.cancelled():
+        for s in seqs:
+            engine.cancel(s)
+        return Response(status_code=499)
+    texts, reasons = work.result()
+    choices: list[dict[str, Any]] = []
+    for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+        if chat:
+            msg = {"role": "assistant", "content": text}
+            choices.append({"index": i, "message": msg, "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+    payload = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": served,
+        "choices": choices,
+        "usage": usage(seqs),
+        "lenbatch": {"timings": [s.timings.summary_ms() for s in seqs]},
+    }
+    return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+
+
+async def _collect(
+    engine: GenerationEngine, seqs: list[GenSequence]
+) -> tuple[list[str], list[str | None]]:
+    texts = [""] * len(seqs)
+    reasons: list[str | None] = [None] * len(seqs)
+    async for i, d in _merged(engine, seqs):
+        texts[i] += d.text
+        if d.finish_reason is not None:
+            reasons[i] = d.finish_reason
+    return texts, reasons
+
+
+async def _sse(
+    engine: GenerationEngine,
+    seqs: list[GenSequence],
+    rid: str,
+    created: int,
+    served: str,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The response as server-sent events, `data: [DONE]` last. Errors after the stream has
+    started arrive as an `error` event (the status line was already sent)."""
+    try:
+        if chat:
+            for i in range(len(seqs)):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                yield chunk(rid, created, served, chat, [dict(first, finish_reason=None)])
+        async for i, d in _merged(engine, seqs):
+            if chat:
+                choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
+            else:
+                choice = {"index": i, "text": d.text, "logprobs": None}
+            choice["finish_reason"] = d.finish_reason
+            line = chunk(rid, created, served, chat, [choice])
+            if d.finish_reason is not None:
+                obj = json.loads(line[6:])
+                obj["lenbatch"] = {"index": i, "timings": seqs[i].timings.summary_ms()}
+                line = obj_line(obj)
+            yield line
+        if include_usage:
+            obj = json.loads(chunk(rid, created, served, chat, [])[6:])
+            obj["usage"] = usage(seqs)
+            yield obj_line(obj)
+    except LenbatchError as err:
+        yield obj_line(json.loads(bytes(error_response(err).body).decode()))
+    yield "data: [DONE]\n\n"

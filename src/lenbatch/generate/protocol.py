@@ -1,0 +1,165 @@
+"""OpenAI's completion protocol as lenbatch speaks it: request bodies, usage, stream chunks.
+
+Request models accept OpenAI's fields (unknown ones are ignored, as OpenAI-compatible servers
+do) plus `ignore_eos` (as in vLLM); options this server cannot honour are named by
+`unsupported()` so the route can answer 400 instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lenbatch.core.errors import BadInput
+from lenbatch.generate.sampling import SamplingParams
+from lenbatch.generate.sequence import Sequence as GenSequence
+
+__all__ = [
+    "MAX_STOP",
+    "ChatMessage",
+    "ChatRequest",
+    "CommonOptions",
+    "CompletionRequest",
+    "StreamOptions",
+    "chunk",
+    "obj_line",
+    "usage",
+]
+
+MAX_STOP = 4
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
+    include_usage: bool = False
+
+
+class CommonOptions(BaseModel):
+    """Options shared by completions and chat completions (OpenAI's names)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first option set to something this server cannot honour, named."""
+        if self.n != 1:
+            return f"n={self.n}: only n=1 is supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs are not supported"
+        return None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request (max_tokens already defaulted)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise BadInput(f"{len(stop)} stop sequences given; the limit is {MAX_STOP}")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
+                stop=tuple(stop),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+            )
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+
+
+class CompletionRequest(CommonOptions):
+    """Body of `POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first option set to something this server cannot honour, named."""
+        if self.echo:
+            return "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of is not supported"
+        if self.suffix:
+            return "suffix is not supported"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    """One chat message; `content` is text or a list of OpenAI text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text":
+                raise BadInput(f"message content part of type {p.get('type')!r} is not supported")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+
+
+class ChatRequest(CommonOptions):
+    """Body of `POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def usage(seqs: Sequence[GenSequence]) -> dict[str, int]:
+    """OpenAI usage counts of a call's sequences (every generated token counts)."""
+    prompt = sum(s.prompt_tokens for s in seqs)
+    completion = sum(len(s.generated) for s in seqs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def chunk(rid: str, created: int, served: str, chat: bool, choices: list[Any]) -> str:
+    """One streamed chunk (`text_completion` or `chat.completion.chunk`) as an SSE line."""
+    obj = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": served,
+        "choices": choices,
+    }
+    return obj_line(obj)
+
+
+def obj_line(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,196 @@
+"""Serving overhead: what a live server adds around the model's compute, measured from one
+`lenbatch bench` run.
+
+A cost model from `lenbatch profile` times the model alone, back to back. A live server adds:
+
+* per batch: collation, the hand-off to the worker thread, pooling and fanning results out.
+  Measured as the server's own execution time per batch (`/stats`, this run only: the counters
+  after the run minus those before) minus the cost model's time for the same batch shapes
+  (each bucket's mean batch size and mean padded length);
+* per request, outside the queue: HTTP parsing, tokenization, JSON encoding, the client's own
+  work. Measured as the client's median latency minus the server's own median (from arrival at
+  the engine to the answer).
+
+* CPU time per request outside the model, on the same cores: the server's event-loop thread
+  (HTTP, JSON, tokenization, scheduling) and, when it shares the machine as in `lenbatch bench`,
+  the load driver. Under load this work takes a share of the cores from the model, which then
+  runs `cores / (cores - rate * cpu)` times slower: what makes a server near capacity slower
+  than any constant predicts.
+
+All are measured on one run, by default at a light rate where little queues, then stored in the
+cost model (`batch_overhead_s`, `request_overhead_s`, `cpu_per_request_s`, `cpu_cores`) so that
+`simulate`, `sweep` and `tune` predict what a client sees. Pure: works on the run records
+`lenbatch bench` writes (`runs/*.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lenbatch.plan.costmodel import CostModel
+
+__all__ = ["ServingOverhead", "calibrated", "measure_overhead"]
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """A live server's extra time per batch and per request over the cost model's."""
+
+    batch_s: float
+    request_s: float
+    batches: int  # batches the per-batch figure is averaged over
+    requests: int  # answered requests the per-request figure comes from
+    source: str  # which run, for the cost model's `calibration` note
+    loop_cpu_s: float | None = None  # server event-loop CPU seconds per request
+    driver_cpu_s: float | None = None  # load-driver CPU seconds per request
+    cores: int | None = None  # the machine's cores
+    cpu_baseline_cores: float | None = None  # idle CPU (cores) the fit set apart
+    cpu_runs: int = 0  # runs the CPU figures come from
+
+    @property
+    def cpu_per_request_s(self) -> float | None:
+        """CPU seconds per request outside the model (server loop + driver), if measured."""
+        if self.loop_cpu_s is None or self.driver_cpu_s is None:
+            return None
+        return self.loop_cpu_s + self.driver_cpu_s
+
+
+def _bucket_totals(stats: Mapping[str, Any]) -> dict[str, tuple[float, float, float, float]]:
+    """bucket -> (batches, requests, padded tokens, exec seconds), cumulative."""
+    return {
+        b["bucket"]: (
+            float(b["batches"]),
+            float(b["requests"]),
+            float(b["padded_tokens"]),
+            float(b["batches"]) * float(b["mean_exec_ms"]) / 1000.0,
+        )
+        for b in stats.get("per_bucket", [])
+    }
+
+
+def measure_overhead(
+    run: Mapping[str, Any], cost: CostModel, cpu_runs: Sequence[Mapping[str, Any]] = ()
+) -> ServingOverhead:
+    """The serving overhead seen in one bench run of a lenbatch server (a `runs/*.json` record).
+    The CPU per request is fitted over `run` and `cpu_runs` (the same server at other rates)
+    when they span two or more rates.
+
+    Raises ValueError if the record lacks the server's `/stats` or ran no batch.
+    """
+    result = run["result"]
+    before, after = result.get("stats_before"), result.get("stats_after")
+    if not before or not after:
+        raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
+    start = _bucket_totals(before)
+    live_exec = model_exec = 0.0
+    batches = 0.0
+    for bucket, (b1, r1, p1, e1) in _bucket_totals(after).items():
+        b0, r0, p0, e0 = start.get(bucket, (0.0, 0.0, 0.0, 0.0))
+        nb, nr, npad, ex = b1 - b0, r1 - r0, p1 - p0, e1 - e0
+        if nb <= 0 or nr <= 0:
+            continue
+        mean_b = nr / nb
+        mean_len = npad / nr  # padded tokens per row = the batches' mean padded length
+        # latency() is linear in B for a given L, so the mean batch size gives the mean time
+        # exactly; the mean padded length only up to the L^2 term's spread within one bucket.
+        model_exec += nb * cost.latency(mean_b, mean_len)
+        live_exec += ex
+        batches += nb
+    if batches == 0:
+        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
+    sent = np.asarray(result["sent"], dtype=np.float64)
+    done = np.asarray(result["done"], dtype=np.float64)
+    ok = np.asarray(result["status"]) == 200
+    if not ok.any():
+        raise ValueError(f"run {run.get('name')!r} has no answered request")
+    client_p50 = float(np.median(done[ok] - sent[ok]))
+    server_p50 = after.get("p50_ms")
+    if server_p50 is None:
+        raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
+    rate = run.get("rate", 1.0)
+    n = len(sent)
+    cores = run.get("summary", {}).get("cpu_count")
+    cpu = _cpu_fit([run, *(r for r in cpu_runs if r is not run)])
+    slowdown = 1.0
+    duration = float(result.get("wall_s") or 0.0)
+    if cpu is not None and cores and duration > 0:
+        # Batches in this very run were slowed by its own rate; take that out of the constant.
+        probe = CostModel(const=0.0, cpu_per_request_s=cpu[0] + cpu[1], cpu_cores=int(cores))
+        slowdown = probe.slowdown(n / duration)
+    return ServingOverhead(
+        batch_s=(live_exec / slowdown - model_exec) / batches,
+        request_s=client_p50 - float(server_p50) / 1000.0,
+        batches=int(batches),
+        requests=int(ok.sum()),
+        source=f"{run.get('name')} at rate x{rate:g}",
+        loop_cpu_s=None if cpu is None else cpu[0],
+        driver_cpu_s=None if cpu is None else cpu[1],
+        cores=int(cores) if cores else None,
+        cpu_baseline_cores=None if cpu is None else cpu[2],
+        cpu_runs=0 if cpu is None else cpu[3],
+    )
+
+
+def _cpu_fit(runs: Sequence[Mapping[str, Any]]) -> tuple[float, float, float, int] | None:
+    """(server-loop CPU s per request, driver CPU s per request, idle CPU in cores, runs used).
+
+    With runs at two or more rates, CPU time = idle x wall time + per-request x requests is
+    fitted by least squares, so the idle work (timers, polling) that dominates a light run is
+    not charged to its requests; with one run, its CPU time divided by its requests."""
+    rows = []
+    for r in runs:
+        res, cpu = r["result"], r.get("summary", {}).get("server_cpu")
+        if cpu and res.get("driver_cpu_s") is not None and res.get("wall_s"):
+            n = len(res["sent"])
+            rows.append((float(res["wall_s"]), n, float(cpu["loop_s"]), float(res["driver_cpu_s"])))
+    if not rows:
+        return None
+    rates = {round(n / wall, 3) for wall, n, _, _ in rows}
+    if len(rates) == 1:
+        n = sum(row[1] for row in rows)
+        loop, driver = sum(row[2] for row in rows), sum(row[3] for row in rows)
+        return loop / n, driver / n, 0.0, len(rows)
+    a = np.array([[wall, n] for wall, n, _, _ in rows], dtype=np.float64)
+    fits = []
+    for col in (2, 3):
+        y = np.array([row[col] for row in rows], dtype=np.float64)
+        idle, per_request = np.linalg.lstsq(a, y, rcond=None)[0]
+        if idle < 0 or per_request < 0:  # noise: fall back to the plain ratio
+            idle, per_request = 0.0, float(y.sum() / a[:, 1].sum())
+        fits.append((float(idle), float(per_request)))
+    (loop_idle, loop_w), (driver_idle, driver_w) = fits
+    return loop_w, driver_w, loop_idle + driver_idle, len(rows)
+
+
+def calibrated(
+    cost: CostModel, overhead: ServingOverhead, *, with_driver: bool = True
+) -> CostModel:
+    """`cost` with the measured overheads (negative measurements count as 0). Without
+    `with_driver`, the load driver's CPU is left out: for predicting a server whose clients
+    run elsewhere."""
+    cpu = overhead.cpu_per_request_s
+    if cpu is not None and not with_driver:
+        cpu = overhead.loop_cpu_s
+    note = (
+        f"{overhead.source}: +{1000 * overhead.batch_s:.1f} ms per batch over "
+        f"{overhead.batches} batches, +{1000 * overhead.request_s:.1f} ms per request "
+        f"(median over {overhead.requests})"
+    )
+    if cpu is None:
+        note += "; CPU per request not measured"
+    else:
+        who = "server loop + load driver" if with_driver else "server loop"
+        note += f", {1000 * cpu:.1f} ms CPU per request ({who}) on {overhead.cores} cores"
+    return dataclasses.replace(
+        cost,
+        batch_overhead_s=max(0.0, overhead.batch_s),
+        request_overhead_s=max(0.0, overhead.request_s),
+        cpu_per_request_s=max(0.0, cpu or 0.0),
+        cpu_cores=overhead.cores or 1,
+        calibration=note,
+    )

@@ -1,0 +1,10 @@
+"""What both servers share: the engine lifecycle, the HTTP shell (app, guard, error shape,
+draining uvicorn server), the metrics recorder and the length log."""
+
+from __future__ import annotations
+
+from lenbatch.serving.http import DrainingServer, error_response, new_app, serve_app
+from lenbatch.serving.lengthlog import LengthLog
+from lenbatch.serving.metrics import Metrics
+
+__all__ = ["DrainingServer", "LengthLog", "Metrics", "error_response", "new_app", "serve_app"]
