@@ -9,9 +9,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic
 
-__all__ = ["Request", "RequestStatus", "new_request_id"]
+from typing_extensions import TypeVar
+
+__all__ = ["HandleT", "Request", "RequestStatus", "new_request_id"]
+
+# What the owning layer keeps in `Request.handle`: the embedding engine's `Ticket`, the
+# generation engine's `Sequence`, the simulator's row index. Bare `Request` means any handle.
+HandleT = TypeVar("HandleT", default=Any)
 
 _ids = itertools.count(1)
 
@@ -32,7 +38,7 @@ class RequestStatus(StrEnum):
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class Request(Generic[HandleT]):
     """One tokenized input waiting to be batched.
 
     `length` is the token count that decides the bucket; `token_ids` may be empty in the
@@ -47,7 +53,8 @@ class Request:
     priority: int = 0
     # Set by the queues when the request is pushed; the lane it waits in.
     lane: int = -1
-    # Opaque slot for the layer that owns the request (engine future, simulator record, ...).
-    handle: Any = None
+    # The owning layer's record of this request (engine ticket, sequence, simulator row). Set
+    # when the request is made; None only where no layer owns it (tests of the core).
+    handle: HandleT = None  # type: ignore[assignment]
     # Per-request extras for the runner (e.g. generation parameters); never logged.
     params: Any = None

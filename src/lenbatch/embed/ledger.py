@@ -55,7 +55,7 @@ class Ledger:
         self.metrics = metrics
         self.lane_labels = list(lane_labels)
         self.length_log = length_log
-        self._live: set[Request] = set()
+        self._live: set[Request[Ticket]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -64,11 +64,11 @@ class Ledger:
         """Admitted requests not answered yet."""
         return len(self._live)
 
-    def live(self) -> list[Request]:
+    def live(self) -> list[Request[Ticket]]:
         """The unanswered requests (a copy)."""
         return list(self._live)
 
-    def admit(self, requests: Iterable[Request]) -> None:
+    def admit(self, requests: Iterable[Request[Ticket]]) -> None:
         """Start accounting for `requests` (each with a `Ticket` as its handle)."""
         self._live.update(requests)
         if self._live:
@@ -84,13 +84,13 @@ class Ledger:
             return False
         return True
 
-    def answer(self, r: Request, vec: Vector) -> None:
+    def answer(self, r: Request[Ticket], vec: Vector) -> None:
         """End `r` with its vector (or as cancelled if its caller has gone)."""
         if self._still_wanted(r):
             r.handle.future.set_result(vec)
             self._finish(r, RequestStatus.OK)
 
-    def fail(self, r: Request, err: LenbatchError) -> None:
+    def fail(self, r: Request[Ticket], err: LenbatchError) -> None:
         """End `r` with `err` (or as cancelled if its caller has gone)."""
         if self._still_wanted(r):
             fut: asyncio.Future[Vector] = r.handle.future
@@ -100,7 +100,7 @@ class Ledger:
             expired = isinstance(err, DeadlineExceeded)
             self._finish(r, RequestStatus.EXPIRED if expired else RequestStatus.ERROR)
 
-    def cancel(self, r: Request) -> bool:
+    def cancel(self, r: Request[Ticket]) -> bool:
         """End `r` as cancelled; False if it had already ended."""
         t: Ticket = r.handle
         if t.finished:
@@ -115,7 +115,7 @@ class Ledger:
         if self.length_log is not None:
             self.length_log.close()
 
-    def _still_wanted(self, r: Request) -> bool:
+    def _still_wanted(self, r: Request[Ticket]) -> bool:
         """True if `r` awaits its answer; an ended request stays ended, and one whose caller
         cancelled its future is ended here as cancelled."""
         t: Ticket = r.handle
@@ -126,7 +126,7 @@ class Ledger:
             return False
         return True
 
-    def _finish(self, r: Request, status: RequestStatus) -> None:
+    def _finish(self, r: Request[Ticket], status: RequestStatus) -> None:
         t: Ticket = r.handle
         t.finished = True
         if t.timer is not None:

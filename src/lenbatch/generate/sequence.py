@@ -121,7 +121,7 @@ class Sequence:
 
     def __init__(
         self,
-        request: Request,
+        request: Request[Sequence],
         params: SamplingParams,
         tracker: TextTracker,
         timings: Timings,
