@@ -10,6 +10,7 @@ import pytest
 import lenbatch.core.scheduler
 import lenbatch.embed.engine
 import lenbatch.plan.sim
+import lenbatch.serving.lifecycle
 from lenbatch.config import BatchingConfig, Strategy
 from lenbatch.core.admission import Admission
 from lenbatch.core.errors import LenbatchError
@@ -31,8 +32,8 @@ def test_engine_and_simulator_use_the_same_scheduling_objects() -> None:
     """One scheduler function, one Queues class, one Admission class, shared by both."""
     assert lenbatch.plan.sim.schedule is lenbatch.core.scheduler.schedule
     assert lenbatch.embed.engine.schedule is lenbatch.core.scheduler.schedule
-    assert lenbatch.plan.sim.Queues is lenbatch.embed.engine.Queues
-    assert lenbatch.plan.sim.Admission is lenbatch.embed.engine.Admission
+    assert lenbatch.plan.sim.Queues is lenbatch.serving.lifecycle.Queues  # the engines' base
+    assert lenbatch.plan.sim.Admission is lenbatch.serving.lifecycle.Admission
 
 
 def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:

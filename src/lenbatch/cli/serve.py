@@ -148,21 +148,7 @@ def run(args: argparse.Namespace) -> int:
         runner.info.dim,
         runner.info.padding_side,
     )
-    if engine.cfg.strategy is Strategy.BUCKETED:
-        note = ""
-        if engine.uses_default_boundaries:
-            note = (
-                " (the default for this model, not fitted to your traffic: run "
-                "`lenbatch fit` on a trace or length log and pass --boundaries)"
-            )
-        log.info(
-            "strategy bucketed: boundaries %s + overlong lane up to %d%s",
-            list(engine.cfg.boundaries),
-            runner.info.max_length,
-            note,
-        )
-    else:
-        log.info("strategy %s", engine.cfg.strategy.value)
+    log.info(engine.describe())
     serve(engine, settings)
     return 0
 
@@ -191,13 +177,10 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         length_log=length_log,
     )
     log.info(
-        "model %s: context=%d decode=%s strategy=%s boundaries=%s%s chat_template=%s",
+        "model %s: context=%d chat_template=%s",
         runner.info.name,
         runner.info.max_length,
-        engine.mode,
-        engine.cfg.strategy.value,
-        list(engine.cfg.boundaries),
-        " (default, not fitted: run `lenbatch fit`)" if engine.uses_default_boundaries else "",
         runner.has_chat_template,
     )
+    log.info(engine.describe())
     return create_llm_app(engine, settings), engine

@@ -27,68 +27,54 @@ is left with 503. Nothing admitted is dropped silently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from enum import StrEnum
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.config import (
-    AdmissionConfig,
-    BatchingConfig,
-    RecoveryConfig,
-    SchedulerConfig,
-    Strategy,
-)
-from lenbatch.core.admission import Admission
-from lenbatch.core.buckets import BucketSet, default_boundaries
-from lenbatch.core.clock import Clock, MonotonicClock
+from lenbatch.config import AdmissionConfig, BatchingConfig, RecoveryConfig
+from lenbatch.core.clock import Clock
 from lenbatch.core.collate import Collated, collate
 from lenbatch.core.errors import (
     BadInput,
-    DeadlineExceeded,
-    InputTooLong,
     LenbatchError,
     ModelFailed,
     OutOfMemory,
     RunnerCrashed,
-    Unavailable,
-    drain_timed_out,
-    draining,
     is_out_of_memory,
 )
-from lenbatch.core.queues import Queues
+from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.ledger import Ledger, Ticket
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.metrics import Metrics
+from lenbatch.serving.lifecycle import BaseEngine, EngineState
 
-__all__ = ["Engine", "EngineState"]
+__all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
 log = logging.getLogger("lenbatch.embed.engine")
 
 Vector = npt.NDArray[np.float32]
+# Texts, or token-id arrays (the model's own ids, used as given).
+Inputs = Sequence[str] | Sequence[Sequence[int]]
 
 _PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
 
 
-class EngineState(StrEnum):
-    """Lifecycle of an engine."""
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """The answer to one call: a vector per input, in order, and the tokens they took."""
 
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"  # shutting down: no new requests, queued ones still answered
-    FAILED = "failed"  # the runner crashed: nothing more can be served
-    STOPPED = "stopped"
+    vectors: list[Vector]
+    prompt_tokens: int  # after truncation
 
 
-class Engine:
+class Engine(BaseEngine):
     """Length-aware dynamic batching in front of an `EmbeddingRunner`."""
 
     def __init__(
@@ -106,159 +92,146 @@ class Engine:
         self.info = runner.info
         self.batching = batching or BatchingConfig()
         self.recovery = recovery or RecoveryConfig()
-        self.clock: Clock = clock or MonotonicClock()
         self.default_truncate = default_truncate
-        self.uses_default_boundaries = (
-            self.batching.strategy is Strategy.BUCKETED and self.batching.boundaries is None
+        lanes = resolve_lanes(self.batching, self.info.max_length)
+        super().__init__(
+            lanes,
+            admission,
+            clock,
+            metrics_label=lanes.cfg.strategy.value,
+            workers=self.batching.max_concurrent_batches,
+            name="lenbatch-runner",
         )
-        base = self.batching.resolve(self.info.max_length, default_boundaries(self.info.max_length))
-        self.caps = BatchCaps(base, self.recovery.oom_cooldown_s)
-        self.cfg: SchedulerConfig = base  # what the scheduler runs with now (caps, draining)
-        if base.strategy is Strategy.BUCKETED:
-            labels = BucketSet(base.boundaries, self.info.max_length).labels()
-        else:
-            labels = ["all"]
-        self.lane_labels = labels
-        self.queues = Queues(base)
-        self.metrics = Metrics(labels, base.strategy.value)
+        self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
-        self.ledger = Ledger(self.clock, self.metrics, labels, length_log)
-        self.admission = Admission(admission or AdmissionConfig(), base, self.clock.now())
-        self.request_timeout = (admission or AdmissionConfig()).request_timeout_s
-        self.state = EngineState.NEW
-        self.failure: str | None = None  # why the runner was declared crashed
-        self._executor = ThreadPoolExecutor(
-            max_workers=self.batching.max_concurrent_batches, thread_name_prefix="lenbatch-runner"
-        )
-        self._wakeup: asyncio.Event | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self.ledger = Ledger(self.clock, self.metrics, self.lane_labels, length_log)
+        self._slots = asyncio.Semaphore(self.batching.max_concurrent_batches)
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._failures_in_row = 0  # failed model calls (not out-of-memory) since a success
 
-    # ------------------------------------------------------------------ lifecycle
-
-    async def start(self) -> None:
-        """Start the scheduling loop on the running event loop."""
-        if self.state is not EngineState.NEW:
-            raise RuntimeError(f"engine already {self.state.value}")
-        self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.batching.max_concurrent_batches)
-        self.state = EngineState.RUNNING
-        self.metrics.set_ready(True)
-        self._loop_task = asyncio.create_task(self._loop(), name="lenbatch-engine")
-        mem = self.runner.memory()
-        self.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
-
-    def begin_drain(self) -> None:
-        """Refuse new requests (503) from now on and run queued ones without waiting for
-        their batches to fill. Idempotent; `stop()` finishes the shutdown."""
-        if self.state is not EngineState.RUNNING:
-            return
-        self.state = EngineState.DRAINING
-        self.metrics.set_ready(False)
-        log.info("draining: %d admitted requests unanswered", self.ledger.unanswered)
-        self._apply_caps()
-        self._kick()
-
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every admitted request has been answered; False if `timeout` seconds
-        passed first."""
-        return await self.ledger.wait_idle(timeout)
-
-    async def drain(self, timeout: float | None = 30.0) -> None:
-        """Refuse new requests and wait up to `timeout` seconds for every admitted one to be
-        answered; answer whatever is left with 503. The loop keeps running."""
-        self.begin_drain()
-        if await self.wait_idle(timeout):
-            return
-        self.queues.drain()
-        left = self.ledger.live()
-        log.warning("drain timeout of %s s passed: answering %d with 503", timeout, len(left))
-        err = drain_timed_out(timeout)
-        for r in left:
-            self.ledger.fail(r, err)
-
-    async def stop(self, timeout: float | None = 30.0) -> None:
-        """`drain(timeout)`, then stop the loop and the runner thread. Nothing admitted is
-        dropped silently."""
-        if self.state in (EngineState.NEW, EngineState.STOPPED):
-            self.state = EngineState.STOPPED
-            self._executor.shutdown(wait=False)
-            return
-        await self.drain(timeout)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        for task in list(self._batch_tasks):
-            task.cancel()  # their requests are all answered by now
-        self.state = EngineState.STOPPED
-        self.metrics.set_ready(False)
-        self._executor.shutdown(wait=False)
-        self.ledger.close()
-
-    @property
-    def ready(self) -> bool:
-        """True while the engine accepts work."""
-        return self.state is EngineState.RUNNING
+    # ------------------------------------------------------------------ lifecycle hooks
 
     @property
     def unanswered(self) -> int:
         """Admitted requests not answered yet (queued, prepared or running)."""
         return self.ledger.unanswered
 
-    def _refusal(self) -> Unavailable:
-        if self.state is EngineState.DRAINING:
-            return draining()
-        if self.state is EngineState.FAILED:
-            return Unavailable(
-                f"the model runner has failed ({self.failure}); this server must be restarted",
-                retry_after=5.0,
-                code="runner_failed",
-            )
-        return Unavailable(f"server is {self.state.value}; not accepting requests")
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every admitted request has been answered; False if `timeout` seconds
+        passed first."""
+        return await self.ledger.wait_idle(timeout)
+
+    def _on_drain(self) -> None:
+        self._apply_caps()
+
+    def _abandon(self, err: LenbatchError) -> None:
+        for r in self.ledger.live():
+            self.ledger.fail(r, err)
+
+    def _on_stop(self) -> None:
+        for task in list(self._batch_tasks):
+            task.cancel()  # their requests are all answered by now
+        self.ledger.close()
+
+    def refresh_memory(self) -> None:
+        """Weights apart from peak activations, read from the runner into the metrics."""
+        mem = self.runner.memory()
+        self.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {"batch_caps": self.caps.describe(self.clock.now(), self.lane_labels)}
 
     # ------------------------------------------------------------------ submitting
 
     def tokenize(self, texts: Sequence[str], truncate: bool | None = None) -> list[list[int]]:
-        """Token ids of `texts` (the caller drops the text afterwards)."""
-        return self.runner.tokenize(texts, self.default_truncate if truncate is None else truncate)
+        """Token ids of `texts` (the caller drops the text afterwards).
+
+        Raises `BadInput` for an empty text, one that is not valid Unicode, or one the
+        tokenizer cannot process (the error names the input's index, never its content).
+        """
+        for i, t in enumerate(texts):
+            if not t:
+                raise BadInput(f"input {i} is an empty string")
+            if not t.isascii():
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInput(
+                        f"input {i} is not valid Unicode (it holds a lone surrogate escape)"
+                    ) from None
+        truncate = self.default_truncate if truncate is None else truncate
+        try:
+            return self.runner.tokenize(texts, truncate)
+        except Exception as exc:  # the message could quote the text: report the type only
+            raise BadInput(
+                f"the tokenizer could not process the input ({type(exc).__name__})"
+            ) from None
+
+    def _token_ids(self, inputs: Inputs, truncate: bool | None) -> list[list[int]]:
+        """Texts tokenized, token arrays checked against the vocabulary; none may be empty."""
+        if not inputs:
+            raise BadInput("no inputs given")
+        if isinstance(inputs[0], str):
+            texts = cast(Sequence[str], inputs)
+            if not all(isinstance(t, str) for t in texts):
+                raise BadInput("inputs mix texts and token arrays: send one kind per call")
+            ids = self.tokenize(texts, truncate)
+            for i, x in enumerate(ids):
+                if not x:
+                    raise BadInput(f"input {i} is empty (0 tokens)")
+            return ids
+        vocab = self.info.vocab_size
+        ids = []
+        for i, seq in enumerate(cast(Sequence[Sequence[int]], inputs)):
+            if isinstance(seq, str):
+                raise BadInput("inputs mix texts and token arrays: send one kind per call")
+            if len(seq) == 0:
+                raise BadInput(f"input {i} is an empty token array")
+            if min(seq) < 0 or max(seq) >= vocab:
+                raise BadInput(f"input {i} has token ids outside [0, {vocab})")
+            ids.append(list(seq))
+        return ids
 
     async def embed(
         self,
-        inputs: Sequence[Sequence[int]],
+        inputs: Inputs,
         *,
         truncate: bool | None = None,
         timeout: float | None = None,
         priority: int = 0,
     ) -> list[Vector]:
-        """Embed each token-id sequence; returns one vector per input, in order.
+        """Embed each input (a text, or a token-id array); one vector per input, in order.
 
         Raises a `LenbatchError` (bad input, too long, overloaded, deadline, model failure,
         unavailable); with several inputs its message starts with the failing input's index.
         If the caller is cancelled, its requests leave the queue before they cost compute.
         """
+        done = await self.embed_with_usage(
+            inputs, truncate=truncate, timeout=timeout, priority=priority
+        )
+        return done.vectors
+
+    async def embed_with_usage(
+        self,
+        inputs: Inputs,
+        *,
+        truncate: bool | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> Embedded:
+        """`embed`, also counting the tokens embedded (OpenAI's `usage.prompt_tokens`).
+
+        The one path from a call's inputs to its answer: tokenize (texts), check the
+        vocabulary (token arrays), truncate if asked, admit (length, budget, queue and rate
+        limits), queue, and wait for every vector.
+        """
         if self.state is not EngineState.RUNNING:
-            raise self._refusal()
-        if not inputs:
-            raise BadInput("no inputs given")
-        assert self._wakeup is not None
+            raise self.refusal()
+        ids = self._token_ids(inputs, truncate)
         truncate = self.default_truncate if truncate is None else truncate
         limit = self.info.max_length
-        seqs: list[list[int]] = []
-        for i, ids in enumerate(inputs):
-            if len(ids) == 0:
-                raise BadInput(f"input {i} is empty (0 tokens)")
-            if len(ids) > limit:
-                if not truncate:
-                    self.metrics.record_rejection("too_long")
-                    raise InputTooLong(
-                        f"input {i} has {len(ids)} tokens; the model's limit is {limit}. "
-                        "Shorten it or send truncate=true"
-                    )
-                ids = ids[:limit]
-            seqs.append(list(ids))
+        # Too long for the model: cut here if asked; otherwise admission refuses it (413).
+        seqs = [x[:limit] for x in ids] if truncate else ids
         now = self.clock.now()
         refusal = self.admission.check([len(s) for s in seqs], self.queues, now)
         if refusal is not None:
@@ -268,9 +241,9 @@ class Engine:
         deadline = None if timeout is None else now + timeout
         loop = asyncio.get_running_loop()
         requests = []
-        for ids in seqs:
+        for x in seqs:
             ticket = Ticket(loop.create_future())
-            r = Request(len(ids), now, ids, deadline=deadline, priority=priority, handle=ticket)
+            r = Request(len(x), now, x, deadline=deadline, priority=priority, handle=ticket)
             if timeout is not None:
                 ticket.timer = loop.call_later(timeout, self._on_deadline, r)
             self.queues.push(r)
@@ -278,7 +251,8 @@ class Engine:
         self.ledger.admit(requests)
         self._kick()
         try:
-            return list(await asyncio.gather(*(r.handle.future for r in requests)))
+            vectors = list(await asyncio.gather(*(r.handle.future for r in requests)))
+            return Embedded(vectors, sum(len(x) for x in seqs))
         except LenbatchError as err:
             culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)
             if len(requests) == 1 or culprit is None:
@@ -294,17 +268,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    def _kick(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-
     def _apply_caps(self) -> None:
         self.cfg = self.caps.config(draining=self.state is not EngineState.RUNNING)
         self.metrics.set_batch_caps(self.caps.caps())
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
         while True:
             self._wakeup.clear()
             now = self.clock.now()
@@ -315,22 +284,15 @@ class Engine:
                 self._apply_caps()
             decision = schedule(self.queues, now, self.cfg)
             for r in decision.expired:
-                self.ledger.fail(r, self._expired_error(r))
+                self.ledger.fail(r, self.expired_error(r))
             for batch in decision.batches:
                 task = asyncio.create_task(self._run_batch(batch))
                 self._batch_tasks.add(task)
                 task.add_done_callback(self._batch_tasks.discard)
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
-            timer = None
-            if decision.wake_at is not None:
-                delay = max(0.0, decision.wake_at - self.clock.now())
-                timer = loop.call_later(delay, self._wakeup.set)
-            await self._wakeup.wait()
-            if timer is not None:
-                timer.cancel()
+            await self._sleep_until_woken(decision.wake_at)
 
     async def _run_batch(self, batch: Batch) -> None:
-        assert self._slots is not None
         pad_to = self.cfg.lanes[batch.lane].pad_to
         try:
             # Prepared while an earlier batch may still be running (prefetch).
@@ -338,7 +300,7 @@ class Engine:
             async with self._slots:
                 if self.state is EngineState.FAILED:
                     for r in batch.requests:
-                        self.ledger.fail(r, self._refusal())
+                        self.ledger.fail(r, self.refusal())
                     return
                 now = self.clock.now()
                 live = []
@@ -346,7 +308,7 @@ class Engine:
                     if r.handle.finished:
                         continue  # cancelled or expired while waiting: costs nothing
                     if r.deadline is not None and r.deadline <= now:
-                        self.ledger.fail(r, self._expired_error(r))
+                        self.ledger.fail(r, self.expired_error(r))
                         continue
                     live.append(r)
                 if not live:
@@ -362,7 +324,7 @@ class Engine:
             self.queues.batch_done(batch.lane)
             self._kick()
 
-    def _collate(self, requests: Sequence[Request], pad_to: int | None) -> Collated:
+    def _collate(self, requests: Sequence[Request[Ticket]], pad_to: int | None) -> Collated:
         return collate(
             [r.token_ids or [] for r in requests],
             self.info.pad_token_id,
@@ -372,7 +334,7 @@ class Engine:
         )
 
     async def _execute(
-        self, lane: int, live: list[Request], batch: Collated, pad_to: int | None
+        self, lane: int, live: list[Request[Ticket]], batch: Collated, pad_to: int | None
     ) -> None:
         loop = asyncio.get_running_loop()
         start = self.clock.now()
@@ -383,7 +345,7 @@ class Engine:
         if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
             self._crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
             for r in live:
-                self.ledger.fail(r, self._refusal())
+                self.ledger.fail(r, self.refusal())
             return
         try:
             out = await running
@@ -422,7 +384,7 @@ class Engine:
     async def _on_batch_error(
         self,
         lane: int,
-        live: list[Request],
+        live: list[Request[Ticket]],
         batch: Collated,
         pad_to: int | None,
         exc: BaseException,
@@ -435,7 +397,7 @@ class Engine:
         if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
             self._crash(lane, f"the runner raised {kind}")
             for r in live:
-                self.ledger.fail(r, self._refusal())
+                self.ledger.fail(r, self.refusal())
             return
         width = int(batch.input_ids.shape[1])
         if is_out_of_memory(exc):
@@ -472,7 +434,7 @@ class Engine:
                         "known-good probe input failed too",
                     )
                     for r in live:
-                        self.ledger.fail(r, self._refusal())
+                        self.ledger.fail(r, self.refusal())
                     return
                 self._failures_in_row = 0
             if len(live) == 1:
@@ -489,7 +451,7 @@ class Engine:
                 continue
             if self.state is EngineState.FAILED:
                 for r in half:
-                    self.ledger.fail(r, self._refusal())
+                    self.ledger.fail(r, self.refusal())
                 continue
             await self._execute(lane, half, self._collate(half, pad_to), pad_to)
 
@@ -517,43 +479,32 @@ class Engine:
     def _crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""
         self.metrics.record_failure(lane, "crash")
-        if self.state in (EngineState.FAILED, EngineState.STOPPED):
+        if not self._fail_runner(reason):
             return
-        self.state = EngineState.FAILED
-        self.failure = reason
-        self.metrics.set_ready(False)
         waiting = self.queues.drain()
         log.error("runner crashed: %s; answering %d queued requests with 503", reason, len(waiting))
-        err = self._refusal()
+        err = self.refusal()
         for r in waiting:
             self.ledger.fail(r, err)
         self._kick()
 
     # ------------------------------------------------------------------ answering
 
-    def _cancel(self, r: Request) -> None:
+    def _cancel(self, r: Request[Ticket]) -> None:
         self.queues.remove(r)
         if self.ledger.cancel(r):
             self._kick()
 
-    def _on_deadline(self, r: Request) -> None:
+    def _on_deadline(self, r: Request[Ticket]) -> None:
         t: Ticket = r.handle
         t.timer = None
         if t.finished or t.started is not None:
             return  # answered, or already running: let it finish
         self.queues.remove(r)
-        self.ledger.fail(r, self._expired_error(r))
+        self.ledger.fail(r, self.expired_error(r))
         self._kick()
 
-    def _expired_error(self, r: Request) -> DeadlineExceeded:
-        assert r.deadline is not None
-        waited = self.clock.now() - r.arrival
-        return DeadlineExceeded(
-            f"request timeout of {r.deadline - r.arrival:.3f} s passed after {waited:.3f} s "
-            "waiting; it was dropped before running"
-        )
 
-
-def _failed_with(r: Request, err: BaseException) -> bool:
+def _failed_with(r: Request[Ticket], err: BaseException) -> bool:
     fut: asyncio.Future[Vector] = r.handle.future
     return fut.done() and not fut.cancelled() and fut.exception() is err

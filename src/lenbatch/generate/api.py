@@ -16,11 +16,10 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput, LenbatchError
@@ -33,14 +32,13 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
-from lenbatch.generate.sampling import SamplingParams
 from lenbatch.generate.sequence import Delta
 from lenbatch.generate.sequence import Sequence as GenSequence
-from lenbatch.serving.http import check_model, error_response, new_app, until_disconnect
+from lenbatch.serving.http import check_model, engine_app, error_response, unless_disconnected
 
 __all__ = ["create_llm_app"]
 
-log = logging.getLogger("lenbatch.serving.http")
+log = logging.getLogger("lenbatch.generate.api")
 
 
 _Timeout = Annotated[
@@ -58,60 +56,8 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
     accepted = {served, engine.info.name, settings.model.name}
-    gen = settings.generation
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        log.info(
-            "generation engine started: strategy=%s mode=%s lanes=%s",
-            engine.cfg.strategy.value,
-            engine.mode,
-            ",".join(engine.lane_labels),
-        )
-        yield
-        await engine.stop(timeout=settings.server.drain_timeout_s)
-
-    app = new_app(settings, lifespan)
-
-    def context_left(prompt_len: int) -> int:
-        left = engine.info.max_length - prompt_len
-        cap = gen.max_tokens_limit
-        return max(1, min(left, cap) if cap is not None else left)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 while accepting work, 503 (with the state) while draining or stopped."""
-        if engine.ready:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": engine.state.value}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus exposition: prefill batches per bucket, then generation series."""
-        engine.refresh_memory()
-        body = engine.metrics.prometheus() + engine.lm.prometheus()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/stats")
-    async def stats() -> JSONResponse:
-        """JSON summary: prefill waste per bucket, TTFT stages, ITL, KV cache, memory."""
-        engine.refresh_memory()
-        out = engine.metrics.stats()
-        out.update(engine.lm.stats())
-        out["model"] = served
-        out["decode_mode"] = engine.mode
-        out["boundaries"] = list(engine.cfg.boundaries)
-        out["default_boundaries"] = engine.uses_default_boundaries
-        out["queue_depths"] = engine.queues.depths()
-        return JSONResponse(out)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        """The one served model, OpenAI style."""
-        entry = {"id": served, "object": "model", "owned_by": "lenbatch", "created": 0}
-        entry["max_model_len"] = engine.info.max_length
-        return JSONResponse({"object": "list", "data": [entry]})
+    app = engine_app(engine, settings, served, {"max_model_len": engine.info.max_length})
 
     @app.post("/v1/completions")
     async def completions(
@@ -123,11 +69,11 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         why = body.unsupported()
         if why is not None:
             raise BadInput(why)
-        prompts = _prompt_ids(body.prompt, engine)
+        prompts = engine.prompt_ids(body.prompt)
         longest = max(len(p) for p in prompts)
-        max_tokens = body.max_tokens or min(gen.default_max_tokens, context_left(longest))
-        params = body.sampling(max_tokens)
-        seqs = _submit_all(engine, prompts, params, arrival, x_request_timeout)
+        default = min(engine.generation.default_max_tokens, engine.context_left(longest))
+        params = body.sampling(body.max_tokens or default)
+        seqs = engine.submit_all(prompts, params, arrival=arrival, timeout=x_request_timeout)
         return await _respond(request, engine, seqs, body, served, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -139,54 +85,14 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         check_model(body.model, accepted, served)
         if (why := body.unsupported()) is not None:
             raise BadInput(why)
-        if not getattr(engine.runner, "has_chat_template", False):
-            raise BadInput(f"model {served} has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = engine.runner.chat_prompt(messages)  # type: ignore[attr-defined]
-        max_tokens = body.max_completion_tokens or body.max_tokens or context_left(len(prompt))
-        params = body.sampling(max_tokens)
-        seqs = _submit_all(engine, [prompt], params, arrival, x_request_timeout)
+        prompt = engine.chat_prompt(messages)
+        requested = body.max_completion_tokens or body.max_tokens
+        params = body.sampling(requested or engine.context_left(len(prompt)))
+        seqs = engine.submit_all([prompt], params, arrival=arrival, timeout=x_request_timeout)
         return await _respond(request, engine, seqs, body, served, chat=True)
 
     return app
-
-
-def _prompt_ids(
-    raw: str | list[str] | list[int] | list[list[int]], engine: GenerationEngine
-) -> list[list[int]]:
-    """Token ids of each prompt (text is tokenized, then dropped)."""
-    if isinstance(raw, str):
-        raw = [raw]
-    if not raw:
-        raise BadInput("prompt is empty: give a string, a list of strings or token ids")
-    if isinstance(raw[0], int):
-        raw = [raw]  # one token array
-    if isinstance(raw[0], str):
-        texts: list[str] = raw
-        if any(not t for t in texts):
-            raise BadInput("a prompt is an empty string")
-        return engine.tokenize(texts)
-    ids: list[list[int]] = raw
-    return ids
-
-
-def _submit_all(
-    engine: GenerationEngine,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    arrival: float,
-    timeout: float | None,
-) -> list[GenSequence]:
-    """Submit every prompt of one call; if one is refused, withdraw the others."""
-    seqs: list[GenSequence] = []
-    try:
-        for p in prompts:
-            seqs.append(engine.submit(p, params, arrival=arrival, timeout=timeout))
-    except LenbatchError:
-        for s in seqs:
-            engine.cancel(s)
-        raise
-    return seqs
 
 
 async def _merged(
@@ -241,19 +147,12 @@ async def _respond(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(engine, seqs, rid, created, served, chat, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
-    work = asyncio.ensure_future(_collect(engine, seqs))
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()  # the client left: its sequences leave the batch
-        gone.cancel()
-    if work.cancelled():
+    done = await unless_disconnected(request, _collect(engine, seqs))
+    if done is None:  # the client left: its sequences leave the batch
         for s in seqs:
             engine.cancel(s)
         return Response(status_code=499)
-    texts, reasons = work.result()
+    texts, reasons = done
     choices: list[dict[str, Any]] = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
         if chat:

@@ -14,36 +14,23 @@ Every admitted request gets exactly one ending: its finish reason, or an explici
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from enum import StrEnum
+from typing import Any
 
-from lenbatch.config import (
-    AdmissionConfig,
-    BatchingConfig,
-    GenerationConfig,
-    SchedulerConfig,
-    Strategy,
-)
-from lenbatch.core.admission import Admission
-from lenbatch.core.buckets import BucketSet, default_boundaries
-from lenbatch.core.clock import Clock, MonotonicClock
+from lenbatch.config import AdmissionConfig, BatchingConfig, GenerationConfig
+from lenbatch.core.clock import Clock
 from lenbatch.core.errors import (
     BadInput,
     DeadlineExceeded,
     InputTooLong,
     LenbatchError,
     ModelFailed,
-    Unavailable,
-    drain_timed_out,
-    draining,
 )
-from lenbatch.core.queues import Queues
+from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request, RequestStatus
 from lenbatch.core.scheduler import schedule
 from lenbatch.generate.core import DecodeCore, UnitResult
@@ -53,24 +40,22 @@ from lenbatch.generate.sampling import SamplingParams, TextTracker
 from lenbatch.generate.sequence import Delta, Sequence, Timings
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.metrics import Metrics
+from lenbatch.serving.lifecycle import BaseEngine, EngineState
 
 __all__ = ["GenState", "GenerationEngine"]
 
 log = logging.getLogger("lenbatch.generate")
 
 
-class GenState(StrEnum):
-    """Lifecycle of a generation engine."""
-
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
+# The generation engine's states are the shared ones (it has no FAILED of its own: a failing
+# unit fails its sequences, not the engine).
+GenState = EngineState
 
 
-class GenerationEngine:
+class GenerationEngine(BaseEngine):
     """Length-bucketed admission and static or continuous decoding in front of a causal LM."""
+
+    _join_workers_on_stop = True  # a unit may still be running on the model
 
     def __init__(
         self,
@@ -86,86 +71,59 @@ class GenerationEngine:
         self.info = runner.info
         self.batching = batching or BatchingConfig()
         self.generation = generation or GenerationConfig()
-        self.clock: Clock = clock or MonotonicClock()
         self.length_log = length_log
         # A prompt leaves room for at least one generated token.
         self.prompt_limit = self.info.max_length - 1
-        self.uses_default_boundaries = (
-            self.batching.strategy is Strategy.BUCKETED and self.batching.boundaries is None
-        )
-        resolved = self.batching.resolve(self.prompt_limit, default_boundaries(self.prompt_limit))
+        lanes = resolve_lanes(self.batching, self.prompt_limit)
         # One prefill batch in flight at a time: prefill jobs run one after another anyway.
-        self.cfg: SchedulerConfig = dataclasses.replace(resolved, slots=1)
-        if self.cfg.strategy is Strategy.BUCKETED:
-            self.lane_labels = BucketSet(self.cfg.boundaries, self.prompt_limit).labels()
-        else:
-            self.lane_labels = ["all"]
-        self.queues = Queues(self.cfg)
-        self.policy = make_policy(self.generation, self.batching.max_batch)
+        lanes = dataclasses.replace(lanes, cfg=dataclasses.replace(lanes.cfg, slots=1))
         self.mode = self.generation.mode.value
-        self.metrics = Metrics(self.lane_labels, f"{self.cfg.strategy.value}+{self.mode}")
+        super().__init__(
+            lanes,
+            admission,
+            clock,
+            metrics_label=f"{lanes.cfg.strategy.value}+{self.mode}",
+            workers=1,
+            name="lenbatch-decode",
+        )
+        self.policy = make_policy(self.generation, self.batching.max_batch)
         self.lm = LMMetrics()
-        self.admission = Admission(admission or AdmissionConfig(), self.cfg, self.clock.now())
-        self.request_timeout = (admission or AdmissionConfig()).request_timeout_s
         self.core = DecodeCore(runner, self.clock.now, self.policy.release_on_merge)
-        self.state = GenState.NEW
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lenbatch-decode")
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
         self._open: dict[str, Sequence] = {}  # admitted, not yet ended
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._wake_at: float | None = None
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ lifecycle hooks
 
-    async def start(self) -> None:
-        """Start the loop on the running event loop."""
-        if self.state is not GenState.NEW:
-            raise RuntimeError(f"engine already {self.state.value}")
+    async def _warm_up(self) -> None:
         warm_up = getattr(self.runner, "warm_up", None)
         if callable(warm_up):
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(self._executor, warm_up)
             log.info("model warmed up in %.2f s", time.monotonic() - started)
-        self._wakeup = asyncio.Event()
-        self.state = GenState.RUNNING
-        self._loop_task = asyncio.create_task(self._loop(), name="lenbatch-generate")
-        self.refresh_memory()
 
-    async def drain(self, timeout: float | None = 30.0) -> None:
-        """Refuse new requests and wait up to `timeout` seconds for every admitted one to end;
-        end whatever is left with 503. The loop keeps running."""
-        if self.state is GenState.RUNNING:
-            self.state = GenState.DRAINING
-            # Nobody will join partial batches any more: flush them now.
-            lanes = tuple(dataclasses.replace(p, max_wait=0.0) for p in self.cfg.lanes)
-            self.cfg = dataclasses.replace(self.cfg, lanes=lanes)
-            self._kick()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._open and (deadline is None or time.monotonic() < deadline):
-            await asyncio.sleep(0.01)
+    def _on_drain(self) -> None:
+        # Nobody will join partial batches any more: flush them now.
+        lanes = tuple(dataclasses.replace(p, max_wait=0.0) for p in self.cfg.lanes)
+        self.cfg = dataclasses.replace(self.cfg, lanes=lanes)
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every admitted request has ended; False if `timeout` seconds passed."""
         if not self._open:
-            return
-        log.warning("drain timeout of %s s passed: ending %d with 503", timeout, len(self._open))
-        self.queues.drain()
-        err = drain_timed_out(timeout)
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _abandon(self, err: LenbatchError) -> None:
         for seq in list(self._open.values()):
             self._fail(seq, err)
 
-    async def stop(self, timeout: float | None = 30.0) -> None:
-        """`drain(timeout)`, then stop the loop and the worker thread. Nothing admitted is
-        dropped silently."""
-        if self.state in (GenState.NEW, GenState.STOPPED):
-            self.state = GenState.STOPPED
-            self._executor.shutdown(wait=False)
-            return
-        await self.drain(timeout)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        self.state = GenState.STOPPED
-        self._executor.shutdown(wait=True)
+    def _on_stop(self) -> None:
         if self.length_log is not None:
             self.length_log.close()
 
@@ -174,16 +132,80 @@ class GenerationEngine:
         """Admitted requests that have not ended yet (queued, prefilling or decoding)."""
         return len(self._open)
 
-    @property
-    def ready(self) -> bool:
-        """True while the engine accepts work."""
-        return self.state is GenState.RUNNING
+    def describe(self) -> str:
+        """One line for the start-up log: strategy, decode mode and lanes."""
+        return f"decode {self.mode}, {super().describe()}"
+
+    def _extra_stats(self) -> dict[str, Any]:
+        out = self.lm.stats()
+        out["decode_mode"] = self.mode
+        return out
+
+    def _extra_prometheus(self) -> bytes:
+        return self.lm.prometheus()
 
     # ------------------------------------------------------------------ submitting
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each prompt (the caller drops the text afterwards)."""
         return self.runner.tokenize(texts, False)
+
+    def prompt_ids(self, raw: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """Token ids of a call's prompts: texts tokenized here (then dropped), token arrays
+        as given (`submit` checks them against the vocabulary)."""
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise BadInput("prompt is empty: give a string, a list of strings or token ids")
+        if isinstance(raw[0], int):
+            raw = [raw]  # one token array
+        if isinstance(raw[0], str):
+            texts: list[str] = raw
+            if any(not t for t in texts):
+                raise BadInput("a prompt is an empty string")
+            return self.tokenize(texts)
+        ids: list[list[int]] = raw
+        return ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        return bool(getattr(self.runner, "has_chat_template", False))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` through the tokenizer's chat template."""
+        if not self.has_chat_template:
+            raise BadInput(f"model {self.info.name} has no chat template; use /v1/completions")
+        ids: list[int] = self.runner.chat_prompt(messages)  # type: ignore[attr-defined]
+        return ids
+
+    def context_left(self, prompt_len: int) -> int:
+        """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
+        left = self.info.max_length - prompt_len
+        cap = self.generation.max_tokens_limit
+        return max(1, min(left, cap) if cap is not None else left)
+
+    def submit_all(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        arrival: float | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> list[Sequence]:
+        """Queue every prompt of one call; if one is refused, withdraw the others."""
+        seqs: list[Sequence] = []
+        try:
+            for p in prompts:
+                seqs.append(
+                    self.submit(p, params, arrival=arrival, timeout=timeout, priority=priority)
+                )
+        except LenbatchError:
+            for s in seqs:
+                self.cancel(s)
+            raise
+        return seqs
 
     def submit(
         self,
@@ -199,10 +221,8 @@ class GenerationEngine:
         `arrival` is when the caller received the request (before tokenizing), for the TTFT
         breakdown. Raises a `LenbatchError` when the request cannot be admitted.
         """
-        if self.state is GenState.DRAINING:
-            raise draining()
-        if self.state is not GenState.RUNNING:
-            raise Unavailable(f"server is {self.state.value}; not accepting requests")
+        if self.state is not EngineState.RUNNING:
+            raise self.refusal()
         if not prompt:
             raise BadInput("the prompt is empty (0 tokens)")
         lo, hi = min(prompt), max(prompt)
@@ -213,11 +233,12 @@ class GenerationEngine:
             raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
         context = self.info.max_length
         if len(prompt) + params.max_tokens > context:
-            self.metrics.record_rejection("too_long")
-            raise InputTooLong(
+            err = InputTooLong(
                 f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
                 f"together they exceed the model's context of {context} tokens"
             )
+            self.metrics.record_rejection(err.code)
+            raise err
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
         if refusal is not None:
@@ -238,6 +259,7 @@ class GenerationEngine:
         request.handle = seq
         self.queues.push(request)
         self._open[request.id] = seq
+        self._idle.clear()
         if timeout is not None:
             loop = asyncio.get_running_loop()
             self._timers[request.id] = loop.call_later(timeout, self._on_deadline, seq)
@@ -273,10 +295,6 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    def _kick(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-
     async def _loop(self) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
@@ -288,13 +306,7 @@ class GenerationEngine:
             if unit is None:
                 last = None
                 self._publish_state()
-                timer = None
-                if self._wake_at is not None:
-                    delay = max(0.0, self._wake_at - self.clock.now())
-                    timer = loop.call_later(delay, self._wakeup.set)
-                await self._wakeup.wait()
-                if timer is not None:
-                    timer.cancel()
+                await self._sleep_until_woken(self._wake_at)
                 continue
             try:
                 result = await loop.run_in_executor(self._executor, self._run, unit)
@@ -320,7 +332,7 @@ class GenerationEngine:
         now = self.clock.now()
         decision = schedule(self.queues, now, cfg)
         for r in decision.expired:
-            self._fail(r.handle, self._expired_error(r))
+            self._fail(r.handle, self.expired_error(r))
         for batch in decision.batches:
             seqs = [r.handle for r in batch.requests]
             for s in seqs:
@@ -421,6 +433,8 @@ class GenerationEngine:
         r = seq.request
         if self._open.pop(r.id, None) is None:
             return
+        if not self._open:
+            self._idle.set()
         timer = self._timers.pop(r.id, None)
         if timer is not None:
             timer.cancel()
@@ -443,12 +457,5 @@ class GenerationEngine:
         if seq.request.id not in self._open or not math.isnan(seq.timings.admitted):
             return  # answered, or already admitted: let it finish
         self.queues.remove(seq.request)
-        self._fail(seq, self._expired_error(seq.request))
+        self._fail(seq, self.expired_error(seq.request))
         self._kick()
-
-    def _expired_error(self, r: Request) -> DeadlineExceeded:
-        assert r.deadline is not None
-        waited = self.clock.now() - r.arrival
-        return DeadlineExceeded(
-            f"deadline of {r.deadline - r.arrival:.3f} s passed after {waited:.3f} s in the queue"
-        )

@@ -22,32 +22,37 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Collection
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Collection, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import LenbatchError, ModelNotFound
+from lenbatch.serving.lifecycle import Servable
 
 __all__ = [
-    "Drainable",
     "DrainingServer",
     "check_model",
+    "engine_app",
     "error_response",
     "new_app",
     "serve_app",
+    "unless_disconnected",
     "until_disconnect",
 ]
 
 log = logging.getLogger("lenbatch.serving.http")
+
+T = TypeVar("T")
 
 _FLUSH_S = 5  # after the drain, how long uvicorn may take to write the last responses
 
@@ -81,6 +86,27 @@ async def until_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Await `work` unless the client goes away first: then cancel it (so its requests leave
+    the queue or the batch before they cost compute), let the cancellation run, and return
+    None. Exceptions of `work` propagate."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if not task.done():
+        task.cancel()  # the client left
+        await asyncio.wait({task})  # let the cancellation run before answering
+    if task.cancelled():
+        return None
+    return task.result()
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -165,6 +191,60 @@ def _describe_validation(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts[:5])
 
 
+def engine_app(
+    engine: Servable,
+    settings: Settings,
+    served: str,
+    model_card: dict[str, Any] | None = None,
+) -> FastAPI:
+    """`new_app` whose lifespan starts and drains `engine`, with the routes every lenbatch
+    server has: `GET /health`, `/metrics`, `/stats` and `/v1/models` (`served` is the model
+    name answered; `model_card` extra fields of its `/v1/models` entry). The caller adds the
+    API's own routes."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info("engine started: %s", engine.describe())
+        yield
+        await engine.stop(timeout=settings.server.drain_timeout_s)
+        log.info("engine stopped")
+
+    app = new_app(settings, lifespan)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while accepting work; 503 with the state (and the reason if the runner
+        failed) while draining, failed or stopped."""
+        if engine.ready:
+            return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": engine.state.value}
+        if engine.failure is not None:
+            body["reason"] = engine.failure
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition."""
+        return Response(engine.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        """JSON summary: waste, latency percentiles, per-bucket figures, state, lanes."""
+        out = engine.stats()
+        out["model"] = served
+        return JSONResponse(out)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        """The one served model, OpenAI style."""
+        entry = {"id": served, "object": "model", "owned_by": "lenbatch", "created": 0}
+        entry.update(model_card or {})
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    return app
+
+
 def new_app(settings: Settings, lifespan: Any) -> FastAPI:
     """A FastAPI app with what every lenbatch server shares: CORS, the API-key and body-size
     guard, and error handlers that answer in OpenAI's shape without echoing request content."""
@@ -208,19 +288,6 @@ def new_app(settings: Settings, lifespan: Any) -> FastAPI:
     return app
 
 
-class Drainable(Protocol):
-    """What `DrainingServer` needs from an engine (embedding or generation)."""
-
-    @property
-    def unanswered(self) -> int:
-        """Admitted requests not answered yet."""
-        ...
-
-    async def drain(self, timeout: float | None = 30.0) -> None:
-        """Refuse new requests; answer every admitted one within `timeout` seconds."""
-        ...
-
-
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the engine before uvicorn's own shutdown begins.
 
@@ -230,7 +297,7 @@ class DrainingServer(uvicorn.Server):
     new requests get 503 `shutting_down`, which load balancers treat as "go elsewhere".
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Drainable, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Servable, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
@@ -252,7 +319,7 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve_app(app: FastAPI, engine: Drainable, settings: Settings) -> None:
+def serve_app(app: FastAPI, engine: Servable, settings: Settings) -> None:
     """Serve `app` (whose lifespan starts `engine`) until SIGTERM or Ctrl-C, drain, exit."""
     config = uvicorn.Config(
         app,
