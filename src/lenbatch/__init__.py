@@ -1,8 +1,8 @@
 """lenbatch: length-bucketed dynamic batching for transformer inference.
 
-The pure core (`buckets`, `scheduler`, `collate`, `admission`) is importable without torch or a
-web framework; `Engine` runs it on an asyncio loop in front of a runner; `create_app` serves it.
-"""
+The pure core (`lenbatch.core`: buckets, lanes, scheduler, collate, admission) is importable
+without torch or a web framework; `lenbatch.embed.Engine` and `lenbatch.generate.GenerationEngine`
+run it on an asyncio loop in front of a runner; `lenbatch.embed.create_app` serves it."""
 
 from __future__ import annotations
 

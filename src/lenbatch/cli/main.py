@@ -1,7 +1,4 @@
-"""`lenbatch` command line: one module per subcommand, each with `register()` and `run()`.
-
-This package is the only place that reads argv and the environment.
-"""
+"""The `lenbatch` script: the parser of every subcommand, and the entry point."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = (

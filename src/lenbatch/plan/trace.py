@@ -145,7 +145,7 @@ def load_sharegpt(path: str | Path) -> Trace:
 
 
 def load_length_log(path: str | Path) -> Trace:
-    """The server's own length log (`lenbatch serve --length-log`, see `lengthlog.py`).
+    """The server's own length log (`lenbatch serve --length-log`, see `serving/lengthlog.py`).
 
     Arrivals are unix seconds in the file and seconds from the first request in the trace.
     The timings and outcome ride along in `extra`: `queue_wait_ms` and `exec_ms` (NaN where a

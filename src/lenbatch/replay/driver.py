@@ -70,7 +70,7 @@ def plan_from_trace(
     duration_s: float | None = None,
     notes: tuple[str, ...] = (),
 ) -> ReplayPlan:
-    """A plan from a mapped trace and its pre-built inputs (see `textgen.TextBuilder`).
+    """A plan from a mapped trace and its pre-built inputs (see `replay.bodies.TextBuilder`).
     `duration_s` keeps only requests scheduled before it."""
     if trace.arrivals is None:
         raise ValueError("this trace has no timestamps; use a scenario to give it arrivals")

@@ -1,7 +1,7 @@
 """The benchmark report: Markdown tables and PNG plots from replayed runs.
 
 Input is a list of `RunRecord`s (one per server and rate), each with the shared summary (see
-`summary.py`), optionally the per-request columns of the run (for the CDF and time plots) and
+`plan/summary.py`), optionally the per-request columns of the run (for the CDF and time plots) and
 optionally the simulator's predicted summary for the same run. Output is `report.md` and
 `*.png` in one folder. Nothing here measures anything: it only lays out what it is given, so
 it is tested on fixed data.

@@ -9,6 +9,6 @@ folder, and bind to 127.0.0.1 only. Run one with `python -m lenbatch.replay.peer
 
 from __future__ import annotations
 
-__all__ = ["PEERS"]
+from lenbatch.replay.peers.registry import PEERS
 
-PEERS = {"naive": "lenbatch.replay.peers.naive", "ray": "lenbatch.replay.peers.ray_serve"}
+__all__ = ["PEERS"]

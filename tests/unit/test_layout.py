@@ -1,0 +1,320 @@
+"""The package layout: which folder may import which, read from the source with `ast`.
+
+Floors, from the bottom; a module imports lenbatch modules only from its own folder or from a
+lower floor (`embed` and `generate` share a floor and never import each other):
+
+    config.py (0) < core/ (1) < runners/ (2) < serving/ (3) < embed/, generate/ (4)
+    < plan/ (5) < replay/ (6) < cli/ (7)
+
+`lenbatch/__init__.py` re-exports public names and sits above every floor, so no module inside
+the package imports the root package itself. Every import counts: inside functions and under
+`TYPE_CHECKING` too.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lenbatch"
+SRC = Path(__file__).resolve().parents[2] / "src" / PACKAGE
+
+ROOT = "__init__"  # the folder key of lenbatch/__init__.py
+FLOORS: dict[str, int] = {
+    "config": 0,
+    "core": 1,
+    "runners": 2,
+    "serving": 3,
+    "embed": 4,
+    "generate": 4,
+    "plan": 5,
+    "replay": 6,
+    "cli": 7,
+    ROOT: 8,
+}
+# Third-party packages the pure core never imports (top-level package name).
+CORE_FORBIDDEN = frozenset(
+    {"asyncio", "torch", "fastapi", "starlette", "uvicorn", "transformers", "httpx"}
+)
+# Folders that serve and so never reach into the offline tools or the command line.
+SERVING_SIDE = ("core", "runners", "serving")
+OFFLINE_SIDE = ("plan", "replay", "cli")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module (and the name taken from it, for `from m import name`)."""
+
+    module: str  # absolute dotted name, relative imports resolved
+    name: str | None  # the name after `import` in `from m import name`; None for `import m`
+    line: int
+
+    def __str__(self) -> str:
+        where = f"line {self.line}"
+        if self.name is None:
+            return f"`import {self.module}` ({where})"
+        return f"`from {self.module} import {self.name}` ({where})"
+
+
+def module_name(rel: str) -> str:
+    """`core/buckets.py` -> `lenbatch.core.buckets`; `core/__init__.py` -> `lenbatch.core`."""
+    parts = [PACKAGE, *Path(rel).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def folder_of(rel: str) -> str:
+    """The folder key (a FLOORS key) of a file path relative to src/lenbatch."""
+    parts = Path(rel).parts
+    if len(parts) == 1:
+        return Path(rel).stem  # config.py -> "config", __init__.py -> ROOT
+    return parts[0]
+
+
+def folder_of_module(module: str) -> str | None:
+    """The folder key of an absolute lenbatch module name; None if not inside lenbatch."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    return parts[1] if len(parts) > 1 else ROOT
+
+
+def imports_of(source: str, rel: str) -> list[Import]:
+    """Every import in `source` (the file `rel` under src/lenbatch), relative ones resolved.
+
+    `from pkg import sub` where `sub` is a submodule is recorded as the module `pkg.sub`.
+    """
+    this = module_name(rel)
+    package = this if Path(rel).name == "__init__.py" else this.rpartition(".")[0]
+    found: list[Import] = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, None, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                if folder_of_module(module) is not None and is_lenbatch_module(sub):
+                    found.append(Import(sub, alias.name, node.lineno))
+                else:
+                    found.append(Import(module, alias.name, node.lineno))
+    return found
+
+
+def is_lenbatch_module(module: str) -> bool:
+    """Whether `module` names a module or package that exists under src/lenbatch."""
+    rel = Path(*module.split(".")[1:])
+    return (SRC / rel).with_suffix(".py").is_file() or (SRC / rel / "__init__.py").is_file()
+
+
+def check(source: str, rel: str) -> dict[str, list[str]]:
+    """Layout violations of one module, by rule; each message names the file and the import."""
+    folder = folder_of(rel)
+    this = module_name(rel)
+    out: dict[str, list[str]] = {"core_deps": [], "serving_side": [], "floors": [], "private": []}
+    for imp in imports_of(source, rel):
+        where = f"src/{PACKAGE}/{rel}: {imp}"
+        top = imp.module.split(".")[0]
+        if folder == "core" and top in CORE_FORBIDDEN:
+            out["core_deps"].append(f"{where}: core/ stays free of {top}")
+        target = folder_of_module(imp.module)
+        if target is None:
+            continue
+        name = imp.name or ""
+        private = name.startswith("_") and not name.startswith("__")
+        if private and imp.module != this:
+            out["private"].append(f"{where}: a private name of another module")
+        if folder in SERVING_SIDE and target in OFFLINE_SIDE:
+            out["serving_side"].append(f"{where}: {folder}/ never imports from {target}/")
+        if target not in FLOORS:
+            out["floors"].append(f"{where}: {imp.module} is in no known folder")
+        elif folder == "config":
+            out["floors"].append(f"{where}: config.py imports nothing from lenbatch")
+        elif target != folder and FLOORS[target] >= FLOORS[folder]:
+            out["floors"].append(
+                f"{where}: {folder}/ (floor {FLOORS[folder]}) may not import from "
+                f"{target} (floor {FLOORS[target]})"
+            )
+    return out
+
+
+def is_docstring(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def check_init(source: str, rel: str) -> list[str]:
+    """Violations of 'an `__init__.py` only re-exports' (docstring, imports, `__all__`, and
+    a string `__version__`)."""
+    problems: list[str] = []
+    has_all = False
+    for i, node in enumerate(ast.parse(source, filename=rel).body):
+        if i == 0 and is_docstring(node):
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        if len(targets) == 1 and isinstance(targets[0], ast.Name) and targets[0].id == "__all__":
+            has_all = True
+            continue
+        # The package version, a plain string, is metadata rather than code.
+        if (
+            len(targets) == 1
+            and isinstance(targets[0], ast.Name)
+            and targets[0].id == "__version__"
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            continue
+        what = ast.unparse(node).splitlines()[0]
+        problems.append(
+            f"src/{PACKAGE}/{rel}: line {node.lineno}: `{what}`: an __init__.py holds only a "
+            "docstring, imports and __all__"
+        )
+    if not has_all:
+        problems.append(f"src/{PACKAGE}/{rel}: defines no __all__")
+    return problems
+
+
+@cache
+def sources() -> dict[str, str]:
+    """Every module's source, keyed by its path relative to src/lenbatch."""
+    return {
+        p.relative_to(SRC).as_posix(): p.read_text(encoding="utf-8")
+        for p in sorted(SRC.rglob("*.py"))
+    }
+
+
+@cache
+def all_violations() -> dict[str, list[str]]:
+    merged: dict[str, list[str]] = {
+        "core_deps": [],
+        "serving_side": [],
+        "floors": [],
+        "private": [],
+        "inits": [],
+    }
+    for rel, text in sources().items():
+        for rule, found in check(text, rel).items():
+            merged[rule].extend(found)
+        if Path(rel).name == "__init__.py":
+            merged["inits"].extend(check_init(text, rel))
+    return merged
+
+
+# The checker itself: it must catch what it is meant to catch.
+
+
+def test_scanner_sees_every_kind_of_import() -> None:
+    source = (
+        "from __future__ import annotations\n"
+        "import os.path\n"
+        "from typing import TYPE_CHECKING\n"
+        "from . import buckets\n"
+        "from .queues import Queues\n"
+        "if TYPE_CHECKING:\n"
+        "    from lenbatch.plan import sim\n"
+        "def f():\n"
+        "    import torch\n"
+        "    from ..runners.base import ModelInfo\n"
+    )
+    found = {(i.module, i.name) for i in imports_of(source, "core/scheduler.py")}
+    assert ("os.path", None) in found
+    assert ("lenbatch.core.buckets", "buckets") in found
+    assert ("lenbatch.core.queues", "Queues") in found
+    assert ("lenbatch.plan.sim", "sim") in found
+    assert ("torch", None) in found
+    assert ("lenbatch.runners.base", "ModelInfo") in found
+
+
+def test_scanner_catches_violations() -> None:
+    bad_core = (
+        "import asyncio\n"
+        "def f():\n"
+        "    from torch import nn\n"
+        "    from lenbatch.replay.driver import replay\n"
+        "from lenbatch.runners.base import ModelInfo\n"
+        "from lenbatch.core.buckets import _private\n"
+    )
+    found = check(bad_core, "core/bad.py")
+    assert len(found["core_deps"]) == 2
+    assert all("src/lenbatch/core/bad.py" in m for m in found["core_deps"])
+    assert any("asyncio" in m for m in found["core_deps"])
+    assert any("torch" in m and "line 3" in m for m in found["core_deps"])
+    assert any("lenbatch.replay.driver" in m for m in found["serving_side"])
+    assert any("lenbatch.runners.base" in m for m in found["floors"])
+    assert any("_private" in m for m in found["private"])
+
+    sibling = check("from lenbatch.generate.sampling import SamplingParams\n", "embed/x.py")
+    assert sibling["floors"] and "generate" in sibling["floors"][0]
+    assert check("from lenbatch.core import Request\n", "config.py")["floors"]
+    assert check("import lenbatch\n", "plan/x.py")["floors"]  # the root sits above all
+    assert check("from lenbatch.engine import Engine\n", "cli/x.py")["floors"]  # old name
+
+    bad_init = '"""Doc."""\nimport os\n__all__ = ["x"]\nX = 1\ndef main(): ...\n'
+    problems = check_init(bad_init, "core/__init__.py")
+    assert len(problems) == 2
+    assert any("line 4" in p and "X = 1" in p for p in problems)
+    assert check_init('"""Doc."""\n', "x/__init__.py") == [
+        "src/lenbatch/x/__init__.py: defines no __all__"
+    ]
+
+
+def test_scanner_accepts_allowed_imports() -> None:
+    good = (
+        "from __future__ import annotations\n"
+        "import asyncio\n"
+        "from lenbatch.config import Settings\n"
+        "from lenbatch.core import Request\n"
+        "from lenbatch.runners.base import ModelInfo\n"
+        "from lenbatch.serving.http import new_app\n"
+        "from lenbatch.generate.sampling import SamplingParams\n"
+        "from lenbatch.generate import engine\n"
+        "from lenbatch import config\n"
+        "from . import sampling\n"
+    )
+    assert not any(check(good, "generate/api.py").values())
+    init = '"""Doc."""\nfrom __future__ import annotations\nimport os\n__all__: list[str] = []\n'
+    assert check_init(init, "plan/__init__.py") == []
+
+
+# The real tree.
+
+
+def test_tree_is_scanned() -> None:
+    assert "core/scheduler.py" in sources()
+    assert "config.py" in sources()
+    assert {folder_of(rel) for rel in sources()} <= FLOORS.keys()
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        pytest.param("core_deps", id="core-has-no-asyncio-torch-web"),
+        pytest.param("serving_side", id="serving-side-never-imports-plan-replay-cli"),
+        pytest.param("floors", id="imports-only-go-down"),
+        pytest.param("private", id="no-private-names-across-modules"),
+        pytest.param("inits", id="init-files-only-re-export"),
+    ],
+)
+def test_layout(rule: str) -> None:
+    found = all_violations()[rule]
+    if found:
+        pytest.fail(f"{len(found)} layout violation(s):\n" + "\n".join(found), pytrace=False)
