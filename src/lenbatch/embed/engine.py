@@ -8,16 +8,8 @@ batch finishes, or the scheduler's `wake_at`. Batches beyond the runner's concur
 collated ahead of time (prefetch) and wait for a runner slot; cancelled or expired members are
 dropped before they cost compute.
 
-When the model fails:
-
-* a batch that raises is bisected, so a poison input fails alone (500 `model_error`) and the
-  rest of its batch succeeds;
-* a batch that runs out of memory (`MemoryError`, torch's `OutOfMemoryError`) is split and the
-  halves retried, and its lane's batch cap is halved for a cool-down (`BatchCaps`); an input
-  that runs out of memory alone is answered 503 `out_of_memory`;
-* a runner that raises `RunnerCrashed`, that keeps failing and then fails a known-good probe
-  input, or whose batch runs past `batch_timeout_s`, is declared crashed: the engine turns
-  not-ready and answers every waiting request 503.
+When the model fails, `BatchRunner` (`embed/batches.py`) isolates the failure: a poison input
+fails alone, an out-of-memory batch is split, a crashed runner turns the engine not-ready.
 
 Shutdown: `begin_drain()` refuses new requests (503) and flushes the queues without waiting for
 batches to fill; `stop()` waits for every admitted request up to a timeout and answers whatever
@@ -37,19 +29,15 @@ import numpy.typing as npt
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, RecoveryConfig
 from lenbatch.core.clock import Clock
-from lenbatch.core.collate import Collated, collate
 from lenbatch.core.errors import (
     BadInput,
     LenbatchError,
-    ModelFailed,
-    OutOfMemory,
-    RunnerCrashed,
-    is_out_of_memory,
 )
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.embed.batches import BatchRunner
 from lenbatch.embed.ledger import Ledger, Ticket
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.lengthlog import LengthLog
@@ -62,8 +50,6 @@ log = logging.getLogger("lenbatch.embed.engine")
 Vector = npt.NDArray[np.float32]
 # Texts, or token-id arrays (the model's own ids, used as given).
 Inputs = Sequence[str] | Sequence[Sequence[int]]
-
-_PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +91,8 @@ class Engine(BaseEngine):
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
         self.ledger = Ledger(self.clock, self.metrics, self.lane_labels, length_log)
-        self._slots = asyncio.Semaphore(self.batching.max_concurrent_batches)
+        self.batches = BatchRunner(self, self._executor, self.batching.max_concurrent_batches)
         self._batch_tasks: set[asyncio.Task[None]] = set()
-        self._failures_in_row = 0  # failed model calls (not out-of-memory) since a success
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -122,7 +107,7 @@ class Engine(BaseEngine):
         return await self.ledger.wait_idle(timeout)
 
     def _on_drain(self) -> None:
-        self._apply_caps()
+        self.apply_caps()
 
     def _abandon(self, err: LenbatchError) -> None:
         for r in self.ledger.live():
@@ -268,7 +253,8 @@ class Engine(BaseEngine):
 
     # ------------------------------------------------------------------ the loop
 
-    def _apply_caps(self) -> None:
+    def apply_caps(self) -> None:
+        """Run the scheduler with the batch caps as they are now (and no waiting once draining)."""
         self.cfg = self.caps.config(draining=self.state is not EngineState.RUNNING)
         self.metrics.set_batch_caps(self.caps.caps())
 
@@ -281,7 +267,7 @@ class Engine(BaseEngine):
             if restored:
                 for lane in restored:
                     log.info("batch cap of bucket %s restored", self.lane_labels[lane])
-                self._apply_caps()
+                self.apply_caps()
             decision = schedule(self.queues, now, self.cfg)
             for r in decision.expired:
                 self.ledger.fail(r, self.expired_error(r))
@@ -293,190 +279,13 @@ class Engine(BaseEngine):
             await self._sleep_until_woken(decision.wake_at)
 
     async def _run_batch(self, batch: Batch) -> None:
-        pad_to = self.cfg.lanes[batch.lane].pad_to
         try:
-            # Prepared while an earlier batch may still be running (prefetch).
-            prepared = self._collate(batch.requests, pad_to)
-            async with self._slots:
-                if self.state is EngineState.FAILED:
-                    for r in batch.requests:
-                        self.ledger.fail(r, self.refusal())
-                    return
-                now = self.clock.now()
-                live = []
-                for r in batch.requests:
-                    if r.handle.finished:
-                        continue  # cancelled or expired while waiting: costs nothing
-                    if r.deadline is not None and r.deadline <= now:
-                        self.ledger.fail(r, self.expired_error(r))
-                        continue
-                    live.append(r)
-                if not live:
-                    return
-                if len(live) != len(batch.requests):
-                    prepared = self._collate(live, pad_to)
-                await self._execute(batch.lane, live, prepared, pad_to)
-        except Exception:  # a bug above the runner: never leave a request hanging
-            log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
-            for r in batch.requests:
-                self.ledger.fail(r, ModelFailed("internal error while running this batch"))
+            await self.batches.run(batch)
         finally:
             self.queues.batch_done(batch.lane)
             self._kick()
 
-    def _collate(self, requests: Sequence[Request[Ticket]], pad_to: int | None) -> Collated:
-        return collate(
-            [r.token_ids or [] for r in requests],
-            self.info.pad_token_id,
-            self.info.padding_side,
-            pad_to=pad_to,
-            position_ids=self.info.needs_position_ids,
-        )
-
-    async def _execute(
-        self, lane: int, live: list[Request[Ticket]], batch: Collated, pad_to: int | None
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        start = self.clock.now()
-        for r in live:
-            r.handle.started = start
-        running = loop.run_in_executor(self._executor, self.runner.embed, batch)
-        limit = self.recovery.batch_timeout_s
-        if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
-            self._crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
-            for r in live:
-                self.ledger.fail(r, self.refusal())
-            return
-        try:
-            out = await running
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # whatever the model raises, every request gets an answer
-            await self._on_batch_error(lane, live, batch, pad_to, exc)
-            return
-        end = self.clock.now()
-        if out.shape[0] != len(live):
-            raise RuntimeError(f"bug: runner returned {out.shape[0]} rows for {len(live)} inputs")
-        self._failures_in_row = 0
-        exec_s = end - start
-        self.metrics.record_batch(
-            lane,
-            len(live),
-            batch.real_tokens,
-            batch.padded_tokens,
-            exec_s,
-            [start - r.arrival for r in live],
-        )
-        log.debug(
-            "batch lane=%s size=%d padded_len=%d real=%d exec_ms=%.1f",
-            self.lane_labels[lane],
-            len(live),
-            batch.input_ids.shape[1],
-            batch.real_tokens,
-            exec_s * 1000,
-        )
-        for r, vec in zip(live, out, strict=True):
-            r.handle.exec_s = exec_s
-            self.ledger.answer(r, vec)
-
-    # ------------------------------------------------------------------ when the model fails
-
-    async def _on_batch_error(
-        self,
-        lane: int,
-        live: list[Request[Ticket]],
-        batch: Collated,
-        pad_to: int | None,
-        exc: BaseException,
-    ) -> None:
-        """Isolate a failure: split on out-of-memory, bisect on an error, stop on a crash.
-
-        Only the exception's type is logged: its message may quote the input.
-        """
-        kind = type(exc).__name__
-        if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
-            self._crash(lane, f"the runner raised {kind}")
-            for r in live:
-                self.ledger.fail(r, self.refusal())
-            return
-        width = int(batch.input_ids.shape[1])
-        if is_out_of_memory(exc):
-            self.metrics.record_failure(lane, "oom")
-            cap = self.caps.lower(lane, len(live), self.clock.now())
-            self._apply_caps()
-            if len(live) == 1:
-                r = live[0]
-                log.warning("out of memory on request %s alone (%d tokens)", r.id, r.length)
-                msg = (
-                    f"out of memory running this input alone ({r.length} tokens, padded to "
-                    f"{width}); retry later or send a shorter input"
-                )
-                self.ledger.fail(r, OutOfMemory(msg, retry_after=max(1.0, self.caps.cooldown_s)))
-                return
-            log.warning(
-                "out of memory on a batch of %d x %d tokens (%s): splitting; bucket %s capped "
-                "at %d for %g s",
-                len(live),
-                width,
-                kind,
-                self.lane_labels[lane],
-                cap,
-                self.caps.cooldown_s,
-            )
-        else:
-            self.metrics.record_failure(lane, "error")
-            self._failures_in_row += 1
-            if self._failures_in_row >= self.recovery.probe_after_failures:
-                if not await self._probe_ok():
-                    self._crash(
-                        lane,
-                        f"{self._failures_in_row} model calls failed in a row ({kind}) and a "
-                        "known-good probe input failed too",
-                    )
-                    for r in live:
-                        self.ledger.fail(r, self.refusal())
-                    return
-                self._failures_in_row = 0
-            if len(live) == 1:
-                r = live[0]
-                log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
-                msg = f"the model failed on this input ({kind}); other inputs are unaffected"
-                self.ledger.fail(r, ModelFailed(msg))
-                return
-            log.warning("batch of %d failed (%s); bisecting", len(live), kind)
-        mid = len(live) // 2
-        for half in (live[:mid], live[mid:]):
-            half = [r for r in half if not r.handle.finished]
-            if not half:
-                continue
-            if self.state is EngineState.FAILED:
-                for r in half:
-                    self.ledger.fail(r, self.refusal())
-                continue
-            await self._execute(lane, half, self._collate(half, pad_to), pad_to)
-
-    async def _probe_ok(self) -> bool:
-        """Run one fixed, known-good input: does the runner still work at all?"""
-        ids = self.runner.tokenize([_PROBE_TEXT], True)[0]
-        probe = collate(
-            [ids],
-            self.info.pad_token_id,
-            self.info.padding_side,
-            position_ids=self.info.needs_position_ids,
-        )
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.embed, probe
-            )
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            log.error("probe input failed too (%s)", type(exc).__name__)
-            return False
-        log.info("probe input succeeded: the failures were the inputs', not the runner's")
-        return True
-
-    def _crash(self, lane: int, reason: str) -> None:
+    def crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""
         self.metrics.record_failure(lane, "crash")
         if not self._fail_runner(reason):
