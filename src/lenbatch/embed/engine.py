@@ -157,7 +157,7 @@ class Engine(BaseEngine):
         if not inputs:
             raise BadInput("no inputs given")
         if isinstance(inputs[0], str):
-            texts = cast(Sequence[str], inputs)
+            texts = cast("Sequence[str]", inputs)
             if not all(isinstance(t, str) for t in texts):
                 raise BadInput("inputs mix texts and token arrays: send one kind per call")
             ids = self.tokenize(texts, truncate)
@@ -167,7 +167,7 @@ class Engine(BaseEngine):
             return ids
         vocab = self.info.vocab_size
         ids = []
-        for i, seq in enumerate(cast(Sequence[Sequence[int]], inputs)):
+        for i, seq in enumerate(cast("Sequence[Sequence[int]]", inputs)):
             if isinstance(seq, str):
                 raise BadInput("inputs mix texts and token arrays: send one kind per call")
             if len(seq) == 0:
