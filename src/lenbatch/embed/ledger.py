@@ -21,6 +21,7 @@ from lenbatch.core.clock import Clock
 from lenbatch.core.errors import DeadlineExceeded, LenbatchError
 from lenbatch.core.request import Request, RequestStatus
 from lenbatch.serving.lengthlog import LengthLog
+from lenbatch.serving.lifecycle import wait_set
 from lenbatch.serving.metrics import Metrics
 
 __all__ = ["Ledger", "Ticket"]
@@ -76,13 +77,7 @@ class Ledger:
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no admitted request is unanswered; False if `timeout` passed first."""
-        if not self._live:
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout)
 
     def answer(self, r: Request[Ticket], vec: Vector) -> None:
         """End `r` with its vector (or as cancelled if its caller has gone)."""

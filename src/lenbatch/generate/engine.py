@@ -40,7 +40,7 @@ from lenbatch.generate.sampling import SamplingParams, TextTracker
 from lenbatch.generate.sequence import Delta, Sequence, Timings
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.lifecycle import BaseEngine, EngineState
+from lenbatch.serving.lifecycle import BaseEngine, EngineState, wait_set
 
 __all__ = ["GenState", "GenerationEngine"]
 
@@ -111,13 +111,7 @@ class GenerationEngine(BaseEngine):
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every admitted request has ended; False if `timeout` seconds passed."""
-        if not self._open:
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout)
 
     def _abandon(self, err: LenbatchError) -> None:
         for seq in list(self._open.values()):

@@ -31,9 +31,20 @@ from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.serving.metrics import Metrics
 
-__all__ = ["BaseEngine", "EngineState", "Servable"]
+__all__ = ["BaseEngine", "EngineState", "Servable", "wait_set"]
 
 log = logging.getLogger("lenbatch.serving.lifecycle")
+
+
+async def wait_set(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until `event` is set; False if `timeout` seconds passed first."""
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 class EngineState(StrEnum):
