@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -192,6 +192,9 @@ class ModelConfig(BaseModel):
     """Torch device: cpu, cuda, cuda:1, ..."""
     torch_threads: int | None = Field(None, ge=1)
     """Intra-op threads for torch on CPU (None: torch's default)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
+    the hardware runs it natively, else float32). The start-up log says what was picked and why."""
 
 
 class ServerConfig(BaseModel):

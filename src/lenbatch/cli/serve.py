@@ -80,6 +80,12 @@ def register(sub: Any) -> None:
         help="on SIGTERM, how long admitted requests may take to finish (default 30)",
     )
     p.add_argument("--device", help="torch device (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="model float type (default float32; auto: bfloat16 where the hardware runs it "
+        "natively); the start-up log says what was picked and why",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 
@@ -87,7 +93,12 @@ def register(sub: Any) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Merge config file, environment and flags into validated settings."""
     overrides: dict[str, Any] = {
-        "model": {"name": args.model, "truncate": args.truncate, "device": args.device},
+        "model": {
+            "name": args.model,
+            "truncate": args.truncate,
+            "device": args.device,
+            "dtype": args.dtype,
+        },
         "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
             "mode": args.decode_mode,
@@ -131,7 +142,11 @@ def run(args: argparse.Namespace) -> int:
         serve_app(app, gen_engine, settings)
         return 0
     runner = load_runner(
-        m.name, device=m.device, max_length=m.max_length, torch_threads=m.torch_threads
+        m.name,
+        device=m.device,
+        max_length=m.max_length,
+        torch_threads=m.torch_threads,
+        dtype=m.dtype,
     )
     engine = Engine(
         runner,
@@ -148,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         runner.info.dim,
         runner.info.padding_side,
     )
+    _log_precision(runner)
     log.info(engine.describe())
     serve(engine, settings)
     return 0
@@ -168,6 +184,7 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         device=m.device,
         max_length=m.max_length,
         torch_threads=m.torch_threads,
+        dtype=m.dtype,
     )
     engine = GenerationEngine(
         runner,
@@ -182,5 +199,13 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         runner.info.max_length,
         runner.has_chat_template,
     )
+    _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings), engine
+
+
+def _log_precision(runner: Any) -> None:
+    """Say which float type the model runs in and why (runners without one say nothing)."""
+    precision = getattr(runner, "precision", None)
+    if precision is not None:
+        log.info("dtype %s (%s)", precision.name, precision.reason)

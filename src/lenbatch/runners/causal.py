@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.hardware import resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
 
 __all__ = [
@@ -113,7 +114,7 @@ class CausalLMRunner:
         device: str = "cpu",
         max_length: int | None = None,
         torch_threads: int | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: str = "float32",
         attn_implementation: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,9 +123,10 @@ class CausalLMRunner:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
+        self.precision = resolve_precision(dtype, device)
         extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder, **extra)
-        model_kwargs: dict[str, Any] = dict(extra, dtype=dtype)
+        model_kwargs: dict[str, Any] = dict(extra, dtype=self.precision.dtype)
         if attn_implementation is not None:
             model_kwargs["attn_implementation"] = attn_implementation
         model: Any = AutoModelForCausalLM.from_pretrained(self.folder, **model_kwargs)

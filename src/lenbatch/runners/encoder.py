@@ -20,6 +20,7 @@ import torch
 
 from lenbatch.core.collate import Collated
 from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.hardware import resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
 
 __all__ = ["EncoderRunner", "read_pooling"]
@@ -70,6 +71,7 @@ class EncoderRunner:
         device: str = "cpu",
         max_length: int | None = None,
         torch_threads: int | None = None,
+        dtype: str = "float32",
     ) -> None:
         from transformers import AutoModel, AutoTokenizer
 
@@ -77,8 +79,13 @@ class EncoderRunner:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
+        self.precision = resolve_precision(dtype, device)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
-        self.model: Any = AutoModel.from_pretrained(self.folder).to(self.device).eval()
+        self.model: Any = (
+            AutoModel.from_pretrained(self.folder)
+            .to(self.device, dtype=self.precision.dtype)
+            .eval()
+        )
         self.pooling, self.normalize, st_max = read_pooling(self.folder)
         if not (self.folder / "modules.json").exists():
             log.warning(
@@ -137,7 +144,7 @@ class EncoderRunner:
             # The engine splits the batch and retries: hand the cached blocks back first.
             torch.cuda.empty_cache()
             raise
-        pooled = self._pool(hidden, mask)
+        pooled = self._pool(hidden.float(), mask)
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         out: npt.NDArray[np.float32] = pooled.float().cpu().numpy()

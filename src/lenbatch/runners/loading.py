@@ -32,6 +32,7 @@ def load_runner(
     device: str = "cpu",
     max_length: int | None = None,
     torch_threads: int | None = None,
+    dtype: str = "float32",
 ) -> EmbeddingRunner:
     """Load the model called `name` (alias or folder) as an embedding runner.
 
@@ -46,5 +47,10 @@ def load_runner(
 
     folder, served = resolve_model(name)
     return EncoderRunner(
-        folder, name=served, device=device, max_length=max_length, torch_threads=torch_threads
+        folder,
+        name=served,
+        device=device,
+        max_length=max_length,
+        torch_threads=torch_threads,
+        dtype=dtype,
     )
