@@ -195,6 +195,10 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
+    execution: Literal["auto", "padded", "packed"] = "padded"
+    """How a batch runs: `padded` (to the batch's longest member), `packed` (padding-free: the
+    token-wise layers run on the batch's real tokens only; BERT-family encoders), or `auto`
+    (packed where the model supports it, else padded)."""
 
 
 class ServerConfig(BaseModel):

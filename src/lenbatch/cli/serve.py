@@ -86,6 +86,13 @@ def register(sub: Any) -> None:
         help="model float type (default float32; auto: bfloat16 where the hardware runs it "
         "natively); the start-up log says what was picked and why",
     )
+    p.add_argument(
+        "--execution",
+        choices=["auto", "padded", "packed"],
+        help="padded (each batch padded to its longest member; the default), packed "
+        "(padding-free: token-wise layers on real tokens only; BERT-family encoders) or auto "
+        "(packed where the model supports it)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 
@@ -98,6 +105,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "truncate": args.truncate,
             "device": args.device,
             "dtype": args.dtype,
+            "execution": args.execution,
         },
         "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         max_length=m.max_length,
         torch_threads=m.torch_threads,
         dtype=m.dtype,
+        execution=m.execution,
     )
     engine = Engine(
         runner,

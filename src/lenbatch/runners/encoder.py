@@ -82,9 +82,7 @@ class EncoderRunner:
         self.precision = resolve_precision(dtype, device)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
         self.model: Any = (
-            AutoModel.from_pretrained(self.folder)
-            .to(self.device, dtype=self.precision.dtype)
-            .eval()
+            AutoModel.from_pretrained(self.folder).to(self.device, dtype=self._load_dtype()).eval()
         )
         self.pooling, self.normalize, st_max = read_pooling(self.folder)
         if not (self.folder / "modules.json").exists():
@@ -117,6 +115,10 @@ class EncoderRunner:
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _load_dtype(self) -> torch.dtype:
+        """The float type the model's weights are loaded in (subclasses may keep float32)."""
+        return self.precision.dtype
 
     def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
         """Token ids with special tokens; truncated to the limit only when asked."""
