@@ -15,8 +15,11 @@ Options:
   (its compile time is reported apart and kept out of the timings);
 * `packed-fp32`, `packed-bf16`: the padding-free runner (`runners/packed.py`).
 
-`--ragged` makes rows of random lengths up to the point's length instead (a bucket's batch):
-then padded and packed runners differ, and the table's tokens/s counts real tokens.
+`--ragged` makes rows of random lengths up to the point's length instead, and `--buckets` one
+such batch per length bucket (rows spread over the bucket): then padded and packed runners
+differ, and the table's tokens/s counts real tokens. `--memory` adds each point's peak
+activation memory: the tensor storage torch ops create during the forward (weights apart),
+counted exactly through a dispatch mode, so it is the same on any CPU.
 """
 
 from __future__ import annotations
@@ -64,12 +67,65 @@ def _grid(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _batch(rows: int, length: int, ragged: bool, rng: np.random.Generator) -> Collated:
-    lengths = rng.integers(max(2, length // 2), length + 1, rows) if ragged else [length] * rows
+def _batch(
+    rows: int, length: int, ragged: bool, rng: np.random.Generator, low: int | None = None
+) -> Collated:
+    """`rows` random-token rows of `length` tokens, or (ragged) of lengths in (low, length]."""
+    low = max(1, length // 2) if low is None else low
+    lengths = rng.integers(max(2, low + 1), length + 1, rows) if ragged else [length] * rows
     if ragged:
         lengths[0] = length  # the batch is padded to the point's length
     seqs = [[101, *rng.integers(1000, 30000, int(n) - 2).tolist(), 102] for n in lengths]
     return collate(seqs, 0, "right")
+
+
+class _PeakTensorBytes:
+    """Peak bytes of tensor storage created by torch ops while active (live at once).
+
+    Counts every op's outputs (activations, attention scores, scatter grids) from allocation
+    until its storage is freed; the weights, made before, are not counted. Exact where the RSS
+    is noisy, and the same on any machine.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _freed(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def track(self, out: Any) -> None:
+        import weakref
+
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if key in self._seen or size == 0:
+                continue
+            self._seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, size)
+
+
+def _peak_activation_bytes(fn: Callable[[Collated], Any], batch: Collated) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    meter = _PeakTensorBytes()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            meter.track(out)
+            return out
+
+    with Mode():
+        fn(batch)
+    return meter.peak
 
 
 def _make(option: str, folder: Path) -> Callable[[Collated], Any]:
@@ -114,6 +170,22 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--ragged", action="store_true", help="rows of random lengths (buckets)")
+    p.add_argument(
+        "--buckets",
+        help="bucket upper bounds (e.g. 35,74,112,167,226,256): one ragged batch per bucket, "
+        "rows spread over (previous upper, upper], instead of --grid",
+    )
+    p.add_argument(
+        "--bucket-tokens",
+        type=int,
+        default=2048,
+        help="--buckets: rows per batch = this / the bucket's upper bound (default 2048)",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also report peak activation bytes per point (tensor storage torch ops create)",
+    )
     p.add_argument("--out", type=Path, default=None, help="append the Markdown here")
     args = p.parse_args()
     if args.torch_threads:
@@ -122,12 +194,20 @@ def main() -> int:
     for o in options:
         if o not in OPTIONS:
             p.error(f"unknown option {o!r}; choose from {', '.join(OPTIONS)}")
-    grid = _grid(args.grid)
     folder, _ = resolve_model("minilm")
     rng = np.random.default_rng(0)
-    batches = [_batch(b, n, args.ragged, rng) for b, n in grid]
+    if args.buckets:
+        # One point per bucket: a full batch of rows with lengths spread over the bucket.
+        uppers = [int(x) for x in args.buckets.split(",")]
+        lowers = [0, *uppers[:-1]]
+        grid = [(max(1, args.bucket_tokens // u), u) for u in uppers]
+        batches = [_batch(b, n, True, rng, low) for (b, n), low in zip(grid, lowers, strict=True)]
+    else:
+        grid = _grid(args.grid)
+        batches = [_batch(b, n, args.ragged, rng) for b, n in grid]
     ms: dict[str, list[float]] = {}
     share: dict[str, float] = {}
+    mem: dict[str, list[float]] = {}
     notes = []
     for option in options:
         with _quiet():
@@ -149,6 +229,8 @@ def main() -> int:
             times.append(1e3 * statistics.median(runs))
             print(f"{option:14s} {b}x{n}: {times[-1]:8.2f} ms", file=sys.stderr)
         ms[option] = times
+        if args.memory:
+            mem[option] = [_peak_activation_bytes(fn, batch) / 2**20 for batch in batches]
         # CPU this process got per wall second while timing: about the thread count on a
         # quiet machine, less when something else ran (then the figures are not clean).
         share[option] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -156,16 +238,23 @@ def main() -> int:
     base = ms.get("fp32")
     tok = "real tok/s" if args.ragged else "tok/s"
     head = ["batch x length"]
+    if args.buckets or args.ragged:
+        head += ["real / padded tokens"]
     for o in options:
         head += [f"{o} ms", f"{o} {tok}"] + ([f"{o} vs fp32"] if base and o != "fp32" else [])
+        head += [f"{o} peak act MB"] if mem else []
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for i, ((b, n), batch) in enumerate(zip(grid, batches, strict=True)):
         cells = [f"{b} x {n}"]
+        if args.buckets or args.ragged:
+            cells.append(f"{batch.real_tokens} / {batch.padded_tokens}")
         for o in options:
             t = ms[o][i]
             cells += [f"{t:.1f}", f"{batch.real_tokens / t:.1f}k"]
             if base and o != "fp32":
                 cells.append(f"{base[i] / t:.2f}x")
+            if mem:
+                cells.append(f"{mem[o][i]:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     md = [

@@ -192,7 +192,7 @@ class ModelConfig(BaseModel):
     """Torch device: cpu, cuda, cuda:1, ..."""
     torch_threads: int | None = Field(None, ge=1)
     """Intra-op threads for torch on CPU (None: torch's default)."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
     execution: Literal["auto", "padded", "packed"] = "padded"

@@ -83,8 +83,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="model float type (default float32; auto: bfloat16 where the hardware runs it "
-        "natively); the start-up log says what was picked and why",
+        help="model float type (default auto: bfloat16 where the hardware runs it natively, "
+        "else float32); the start-up log says what was picked and why",
     )
     p.add_argument(
         "--execution",

@@ -129,10 +129,11 @@ class PackedEncoderRunner(EncoderRunner):
         x = self._emb_norm(x)
         attend = _Attention(batch, dev, self._mm_dtype)
         for layer in self._layers:
+            # One expression per sub-block, so no intermediate outlives its use (peak memory).
             ctx = attend(layer.qkv(x), layer.heads, layer.head_dim)
             x = layer.attn_norm(layer.attn_out(ctx).float() + x)
-            h = layer.act(layer.up(x))
-            x = layer.out_norm(layer.down(h).float() + x)
+            del ctx
+            x = layer.out_norm(layer.down(layer.act(layer.up(x))).float() + x)
         pooled = self._pool_packed(x, batch)
         if self.normalize:
             pooled = F.normalize(pooled, p=2, dim=1)
