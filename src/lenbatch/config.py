@@ -195,9 +195,12 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
-    execution: Literal["auto", "padded", "packed"] = "padded"
-    """How a batch runs: `padded` (to the batch's longest member), `packed` (padding-free: the
-    token-wise layers run on the batch's real tokens only; BERT-family encoders), or `auto`
+    cost_model: str | None = None
+    """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with; serve
+    warns at start-up when it was measured on another processor (or does not say)."""
+    execution: Literal["auto", "padded", "packed"] = "auto"
+    """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
+    tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`
     (packed where the model supports it, else padded)."""
 
 

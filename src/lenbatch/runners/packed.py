@@ -19,6 +19,7 @@ weights on every call.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from lenbatch.core.collate import Collated, Packed, pack_collated
 from lenbatch.runners.encoder import EncoderRunner
+from lenbatch.runners.memory import current_rss
 
 __all__ = ["PackedEncoderRunner", "supports_packing"]
 
@@ -110,7 +112,25 @@ class PackedEncoderRunner(EncoderRunner):
         self._emb_norm = emb.LayerNorm
         self._layers = [_Layer(layer, mm_dtype) for layer in self.model.encoder.layer]
         self._mm_dtype = mm_dtype
+        # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
+        # encoder weights would only take memory.
+        del self.model.encoder
+        self._weights = sum(t.numel() * t.element_size() for t in self._tensors())
+        self._rss_after_load = current_rss()
         log.info("packed execution: %s; matrix products in %s", why, self.precision.name)
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        """Every weight the packed forward keeps (each once)."""
+        seen: set[int] = set()
+        parts: list[torch.Tensor] = list(self.model.parameters())
+        for layer in self._layers:
+            for lin in (layer.qkv, layer.attn_out, layer.up, layer.down):
+                parts += [lin.weight] + ([] if lin.bias is None else [lin.bias])
+            parts += list(layer.attn_norm.parameters()) + list(layer.out_norm.parameters())
+        for t in parts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                yield t
 
     def _load_dtype(self) -> torch.dtype:
         return torch.float32  # the matrix products get their own copies (see __init__)
