@@ -192,9 +192,16 @@ class ModelConfig(BaseModel):
     """Torch device: cpu, cuda, cuda:1, ..."""
     torch_threads: int | None = Field(None, ge=1)
     """Intra-op threads for torch on CPU (None: torch's default)."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
+    cost_model: str | None = None
+    """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with; serve
+    warns at start-up when it was measured on another processor (or does not say)."""
+    execution: Literal["auto", "padded", "packed"] = "auto"
+    """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
+    tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`
+    (packed where the model supports it, else padded)."""
 
 
 class ServerConfig(BaseModel):

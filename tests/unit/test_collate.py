@@ -1,11 +1,11 @@
-"""Collate: padding side, mask, position ids and token accounting."""
+"""Collate: padding side, mask, position ids and token accounting; packing (no padding)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lenbatch.core.collate import collate
+from lenbatch.core.collate import collate, pack, pack_collated
 
 
 def test_right_padding_to_longest() -> None:
@@ -41,3 +41,47 @@ def test_empty_inputs_rejected(seqs: list[list[int]]) -> None:
     """Empty batches and empty sequences are errors, not silent zero rows."""
     with pytest.raises(ValueError):
         collate(seqs, pad_id=0)
+
+
+def test_pack_layout() -> None:
+    """Packed tokens run end to end; each token's slot is its place in a padded grid."""
+    p = pack([[5, 6, 7], [8], [9, 10]])
+    np.testing.assert_array_equal(p.input_ids, [5, 6, 7, 8, 9, 10])
+    np.testing.assert_array_equal(p.position_ids, [0, 1, 2, 0, 0, 1])
+    np.testing.assert_array_equal(p.row_ids, [0, 0, 0, 1, 2, 2])
+    np.testing.assert_array_equal(p.offsets, [0, 3, 4, 6])
+    np.testing.assert_array_equal(p.slots, [0, 1, 2, 3, 6, 7])  # width 3
+    assert (p.rows, p.width, p.uniform) == (3, 3, False)
+    assert (p.real_tokens, p.padded_tokens, p.attention_tokens) == (6, 6, 9)
+    assert p.padding_waste == 0.0
+
+
+def test_pack_scatter_matches_padding() -> None:
+    """Scattering packed tokens to their slots rebuilds the right-padded batch exactly."""
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1, 100, int(n)).tolist() for n in rng.integers(1, 20, 9)]
+    p = pack(seqs)
+    c = collate(seqs, pad_id=0, side="right")
+    grid = np.zeros(p.rows * p.width, dtype=np.int64)
+    grid[p.slots] = p.input_ids
+    np.testing.assert_array_equal(grid.reshape(p.rows, p.width), c.input_ids)
+    assert len(set(p.slots.tolist())) == p.real_tokens  # no two tokens share a slot
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pack_collated_keeps_real_tokens(side: str) -> None:
+    """A padded batch packs to its real tokens whatever its padding side."""
+    seqs = [[5, 6, 7], [8], [9, 10]]
+    c = collate(seqs, pad_id=0, side=side)  # type: ignore[arg-type]
+    p = pack_collated(c)
+    np.testing.assert_array_equal(p.input_ids, pack(seqs).input_ids)
+    assert p.lengths == c.lengths
+
+
+def test_pack_uniform_and_empty() -> None:
+    """Equal lengths are flagged uniform (no scatter needed); empty inputs are refused."""
+    assert pack([[1, 2], [3, 4]]).uniform
+    with pytest.raises(ValueError, match="empty batch"):
+        pack([])
+    with pytest.raises(ValueError, match="empty sequence"):
+        pack([[1], []])

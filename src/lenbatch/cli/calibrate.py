@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lenbatch.cli.common import load_cost_model
 from lenbatch.plan.calibration import ServingOverhead, calibrated, measure_overhead
 from lenbatch.plan.costmodel import CostModel
 
@@ -177,7 +178,7 @@ def calibrate_report(
 
 def run(args: argparse.Namespace) -> int:
     """Print the calibration table; write the calibrated cost model if asked."""
-    cost = CostModel.load(args.cost)
+    cost = load_cost_model(args.cost)
     cal = calibrate_report(args.report, cost, args.source)
     print(cal.markdown, end="")
     if args.markdown:

@@ -1,11 +1,13 @@
-"""Options shared by several commands: reading a trace (analyze, fit, simulate, tune, replay)
-and the batching flags (serve, simulate)."""
+"""Options shared by several commands: reading a trace (analyze, fit, simulate, tune, replay),
+the batching flags (serve, simulate), and loading a cost model (with a warning when it was
+measured on another processor)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "add_trace_options",
     "batching_overrides",
     "int_list",
+    "load_cost_model",
     "trace_from_args",
 ]
 
@@ -170,3 +173,18 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         start_s=args.start,
         end_s=args.end,
     )
+
+
+def load_cost_model(path: str, device: str = "cpu", *, warn: bool = True) -> CostModel:
+    """Read a cost model; print a warning (stderr) when it was measured on another processor
+    than this one, whose latencies it then does not describe."""
+    import sys
+
+    cost = CostModel.load(path)
+    if warn:
+        from lenbatch.runners.hardware import processor_key
+
+        problem = processor_mismatch(cost, processor_key(device))
+        if problem:
+            print(f"warning: {path}: {problem}", file=sys.stderr)
+    return cost

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lenbatch.cli.common import add_trace_options, trace_from_args
+from lenbatch.cli.common import add_trace_options, load_cost_model, trace_from_args
 from lenbatch.config import BatchingConfig
 from lenbatch.plan.fitting import (
     AUTO_MAX_BUCKETS,
@@ -177,7 +177,6 @@ def config_snippet(
 
 def run(args: argparse.Namespace) -> int:
     """Load and map the trace, fit, print reasoning and the snippet (or JSON)."""
-    from lenbatch.plan.costmodel import CostModel
 
     trace = trace_from_args(args)
     max_length = args.max_length
@@ -194,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.rate is None:
         notes.append("rate: the trace has no timestamps, so full batches (set --rate)")
     rate = None if args.rate in (None, "full") else float(args.rate)
-    cost = CostModel.load(args.cost) if args.cost else None
+    cost = load_cost_model(args.cost) if args.cost else None
     result = fit_boundaries(
         trace.input_lengths,
         args.method,

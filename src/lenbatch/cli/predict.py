@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lenbatch.cli.common import load_cost_model
 from lenbatch.cli.traffic import Traffic
 from lenbatch.config import BatchingConfig, Settings
-from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.trace import Trace
 
 __all__ = ["batching_for", "make_predictor", "serve_settings"]
@@ -59,7 +59,7 @@ def make_predictor(
                 "--cost needs the simulator (lenbatch.plan.sim), which this build does not have"
             ) from None
         simulate = sim_simulate
-    cost = CostModel.load(args.cost)
+    cost = load_cost_model(args.cost)
     from lenbatch.replay.bodies import model_max_length
 
     limit = model_max_length(args.model) or 512

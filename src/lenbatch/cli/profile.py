@@ -23,7 +23,9 @@ def register(sub: Any) -> None:
         "of repeats), record peak activation memory per point (CUDA allocator on GPU, sampled "
         "RSS on CPU; weights apart), fit latency = const + per_row*B + per_token*B*L + "
         "per_token_sq*B*L^2 and a memory model by non-negative least squares, and write "
-        "them as JSON for `lenbatch simulate` and `lenbatch fit --cost`.",
+        "them as JSON for `lenbatch simulate` and `lenbatch fit --cost`. The JSON records the "
+        "processor it was measured on (CPU model, family, threads; or the GPU), the dtype and "
+        "the execution: commands reading it warn when it came from another processor.",
     )
     p.add_argument(
         "--model",
@@ -33,6 +35,19 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="COST.json", help="where to write the model")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads on CPU")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        default="auto",
+        help="model float type, as `serve --dtype` (default auto, as serve's)",
+    )
+    p.add_argument(
+        "--execution",
+        choices=["auto", "padded", "packed"],
+        default="auto",
+        help="as `serve --execution` (default auto, as serve's); the grid's rows are all "
+        "of the point's length, so packed and padded batches hold the same tokens",
+    )
     p.add_argument(
         "--batch-sizes",
         type=int_list,
@@ -71,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.plan.profile import bucket_max_batches, format_table, profile_and_fit
     from lenbatch.runners import load_runner
 
-    runner = load_runner(args.model, device=args.device, torch_threads=args.torch_threads)
+    runner = load_runner(
+        args.model,
+        device=args.device,
+        torch_threads=args.torch_threads,
+        dtype=args.dtype,
+        execution=args.execution,
+    )
     limit = runner.info.max_length
     lengths = args.lengths or [n for n in int_list(DEFAULT_LENGTHS) if n <= limit]
     print(
@@ -103,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n[batching]\nboundaries = {list(uppers)}\nbucket_max_batch = {batches}")
         if min(batches) == 0:
             print("note: a bucket with 0 cannot run even one request within the budget")
-    print(f"\ncost model written to {args.out}")
+    print(f"\ncost model ({cost.processor}, {cost.dtype}, {cost.execution}) written to {args.out}")
     if args.json:
         print(json.dumps(cost.to_json(), indent=2))
     return 0

@@ -83,8 +83,21 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="model float type (default float32; auto: bfloat16 where the hardware runs it "
-        "natively); the start-up log says what was picked and why",
+        help="model float type (default auto: bfloat16 where the hardware runs it natively, "
+        "else float32); the start-up log says what was picked and why",
+    )
+    p.add_argument(
+        "--execution",
+        choices=["auto", "padded", "packed"],
+        help="packed (padding-free: token-wise layers on real tokens only; BERT-family "
+        "encoders), padded (each batch padded to its longest member) or auto (the default: "
+        "packed where the model supports it, else padded)",
+    )
+    p.add_argument(
+        "--cost",
+        metavar="FILE",
+        help="the cost model (JSON from `lenbatch profile`) the settings were tuned with: "
+        "warn at start-up when it was measured on another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
@@ -98,6 +111,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "truncate": args.truncate,
             "device": args.device,
             "dtype": args.dtype,
+            "execution": args.execution,
+            "cost_model": args.cost,
         },
         "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
@@ -141,12 +156,19 @@ def run(args: argparse.Namespace) -> int:
         app, gen_engine = _llm_app(settings, causal, length_log)
         serve_app(app, gen_engine, settings)
         return 0
+    execution = m.execution
+    if execution == "auto" and settings.batching.strategy is Strategy.STATIC:
+        # `static` pads every batch to the model limit on purpose (the naive baseline): a
+        # packed runner would compute real tokens only and hide what padding costs.
+        execution = "padded"
+        log.info("execution auto: padded, because strategy static pads on purpose")
     runner = load_runner(
         m.name,
         device=m.device,
         max_length=m.max_length,
         torch_threads=m.torch_threads,
         dtype=m.dtype,
+        execution=execution,
     )
     engine = Engine(
         runner,
@@ -164,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         runner.info.padding_side,
     )
     _log_precision(runner)
+    _check_cost_model(m.cost_model, m.device)
     log.info(engine.describe())
     serve(engine, settings)
     return 0
@@ -202,6 +225,22 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings), engine
+
+
+def _check_cost_model(path: str | None, device: str) -> None:
+    """Warn when the deployment's cost model was measured on another processor."""
+    if not path:
+        return
+    from lenbatch.plan.costmodel import CostModel, processor_mismatch
+    from lenbatch.runners.hardware import processor_key
+
+    cost = CostModel.load(path)
+    here = processor_key(device)
+    problem = processor_mismatch(cost, here)
+    if problem:
+        log.warning("%s: %s", path, problem)
+    else:
+        log.info("cost model %s was measured on this processor (%s)", path, here)
 
 
 def _log_precision(runner: Any) -> None:

@@ -10,7 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.cli.common import add_batching_options, batching_overrides, trace_from_args
+from lenbatch.cli.common import (
+    add_batching_options,
+    batching_overrides,
+    load_cost_model,
+    trace_from_args,
+)
 from lenbatch.config import BatchingConfig, Settings, load_settings
 from lenbatch.core.buckets import default_boundaries
 from lenbatch.plan.costmodel import CostModel
@@ -100,7 +105,7 @@ class SimContext:
             raise ValueError("the trace (after mapping) has no requests")
         return cls(
             trace,
-            CostModel.load(args.cost),
+            load_cost_model(args.cost),
             settings,
             settings.model.max_length or MINILM_MAX_LENGTH,
             settings.model.truncate,

@@ -1,8 +1,10 @@
-"""Collate: turn a batch of token-id lists into padded arrays the model can take.
+"""Collate: turn a batch of token-id lists into arrays the model can take.
 
 Pads to the batch's own longest member (or to a fixed length for the `static` baseline) on the
 model's padding side, builds the attention mask, and, for models with absolute positions that
-are left-padded, position ids that start at 0 on each row's first real token. Pure numpy.
+are left-padded, position ids that start at 0 on each row's first real token. Or pack (no
+padding): every row's tokens end to end, with the layout that puts them back into rows for
+attention (`Packed`), for runners that run token-wise layers on real tokens only. Pure numpy.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Collated", "collate"]
+__all__ = ["Collated", "Packed", "collate", "pack", "pack_collated"]
 
 PadSide = Literal["right", "left"]
 
@@ -27,6 +29,16 @@ class Collated:
     attention_mask: npt.NDArray[np.int64]
     position_ids: npt.NDArray[np.int64] | None
     lengths: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the batch."""
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """The padded length."""
+        return int(self.input_ids.shape[1])
 
     @property
     def real_tokens(self) -> int:
@@ -80,3 +92,79 @@ def collate(
     if position_ids:
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
     return Collated(ids, mask, positions, lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A padding-free batch: every row's tokens end to end, `[tokens]`, plus the layout that
+    puts them back into rows for attention.
+
+    Token-wise layers run on `input_ids` as is (the batch costs its real tokens); attention
+    scatters the packed rows into `[rows, width]` with `slots` and masks keys past each row's
+    length. `offsets[i]:offsets[i + 1]` is row i's span in the packed tokens.
+    """
+
+    input_ids: npt.NDArray[np.int64]  # [tokens]
+    position_ids: npt.NDArray[np.int64]  # [tokens], 0..len-1 within each row
+    row_ids: npt.NDArray[np.int64]  # [tokens], the row each token belongs to
+    slots: npt.NDArray[np.int64]  # [tokens], row * width + position: its place in [rows, width]
+    offsets: npt.NDArray[np.int64]  # [rows + 1], cumulative lengths from 0
+    lengths: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the batch."""
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """The longest row: attention's padded width."""
+        return max(self.lengths)
+
+    @property
+    def uniform(self) -> bool:
+        """Every row has the same length: attention needs neither scatter nor mask."""
+        return min(self.lengths) == max(self.lengths)
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens that carry input."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the token-wise layers compute: the real ones (attention apart)."""
+        return self.real_tokens
+
+    @property
+    def attention_tokens(self) -> int:
+        """Query positions attention computes over: rows x width."""
+        return self.rows * self.width
+
+    @property
+    def padding_waste(self) -> float:
+        """0: a packed batch computes no padding in its token-wise layers."""
+        return 0.0
+
+
+def pack(sequences: Sequence[Sequence[int]]) -> Packed:
+    """Pack `sequences` end to end (no padding), with the layout attention needs."""
+    if not sequences:
+        raise ValueError("cannot pack an empty batch")
+    lengths = tuple(len(s) for s in sequences)
+    if min(lengths) < 1:
+        raise ValueError("cannot pack an empty sequence")
+    lens = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    ids = np.fromiter((t for s in sequences for t in s), dtype=np.int64, count=int(offsets[-1]))
+    row_ids = np.repeat(np.arange(len(lengths), dtype=np.int64), lens)
+    positions = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lens)
+    slots = row_ids * int(lens.max()) + positions
+    return Packed(ids, positions, row_ids, slots, offsets, lengths)
+
+
+def pack_collated(batch: Collated) -> Packed:
+    """The packed layout of a padded batch (its real tokens, on either padding side)."""
+    mask = batch.attention_mask.astype(bool)
+    return pack([row[m].tolist() for row, m in zip(batch.input_ids, mask, strict=True)])

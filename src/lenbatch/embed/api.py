@@ -7,7 +7,6 @@ shape, validation messages, draining server) is `lenbatch.serving.http`.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Annotated
 
@@ -17,7 +16,7 @@ from fastapi.responses import Response
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
 from lenbatch.embed.engine import Engine
-from lenbatch.embed.protocol import EmbeddingRequest, encode_vector
+from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
 from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
 
 __all__ = ["create_app", "serve"]
@@ -70,7 +69,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
             "model": served,
             "usage": {"prompt_tokens": usage, "total_tokens": usage},
         }
-        return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+        return Response(dumps(payload), media_type="application/json")
 
     return app
 

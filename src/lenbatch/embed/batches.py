@@ -1,7 +1,9 @@
 """How one scheduled batch runs, and how a model failure is kept to the inputs that caused it.
 
-`BatchRunner.run` collates a batch as soon as the scheduler emits it (prefetch), waits for one
-of the engine's runner slots, drops members cancelled or expired meanwhile (they cost nothing),
+`BatchRunner.run` collates a batch as soon as the scheduler emits it (prefetch): padded to its
+longest member, or packed end to end when the runner runs padding-free batches
+(`PackedEmbeddingRunner`, e.g. `runners.packed`); then it waits for one of the engine's runner
+slots, drops members cancelled or expired meanwhile (they cost nothing),
 runs the rest in a worker thread and answers each through the engine's `Ledger`.
 
 When the model fails:
@@ -24,17 +26,23 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from lenbatch.core.collate import Collated, collate
+import numpy as np
+import numpy.typing as npt
+
+from lenbatch.core.collate import Collated, Packed, collate, pack
 from lenbatch.core.errors import ModelFailed, OutOfMemory, RunnerCrashed, is_out_of_memory
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch
 from lenbatch.embed.ledger import Ticket
+from lenbatch.runners.base import PackedEmbeddingRunner
 from lenbatch.serving.lifecycle import EngineState
 
 if TYPE_CHECKING:
     from lenbatch.embed.engine import Engine
 
-__all__ = ["BatchRunner"]
+__all__ = ["BatchRunner", "Prepared"]
+
+Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
 
 log = logging.getLogger("lenbatch.embed.batches")
 
@@ -49,6 +57,8 @@ class BatchRunner:
         self.executor = executor
         self.slots = asyncio.Semaphore(slots)
         self.failures_in_row = 0  # failed model calls (not out-of-memory) since a success
+        runner = engine.runner
+        self.packed_runner = runner if isinstance(runner, PackedEmbeddingRunner) else None
 
     async def run(self, batch: Batch) -> None:
         """Run `batch` once a runner slot is free and answer each of its requests."""
@@ -81,26 +91,42 @@ class BatchRunner:
             for r in batch.requests:
                 e.ledger.fail(r, ModelFailed("internal error while running this batch"))
 
-    def collate(self, requests: Sequence[Request[Ticket]], pad_to: int | None) -> Collated:
-        """The padded batch of `requests` (to `pad_to` if the lane fixes a length)."""
+    def collate(self, requests: Sequence[Request[Ticket]], pad_to: int | None) -> Prepared:
+        """The batch of `requests` as the runner takes it: packed if it runs padding-free
+        (then a lane's fixed length means nothing: a packed batch computes its real tokens
+        only), else padded (to `pad_to` if the lane fixes a length)."""
+        seqs = [r.token_ids or [] for r in requests]
+        if self.packed_runner is not None:
+            return pack(seqs)
+        return self.pad(seqs, pad_to)
+
+    def pad(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> Collated:
+        """Token-id lists padded for the engine's model."""
         e = self.engine
         return collate(
-            [r.token_ids or [] for r in requests],
+            seqs,
             e.info.pad_token_id,
             e.info.padding_side,
             pad_to=pad_to,
             position_ids=e.info.needs_position_ids,
         )
 
+    def _model_call(self, batch: Prepared) -> npt.NDArray[np.float32]:
+        """Run one prepared batch on the runner (in a worker thread)."""
+        if isinstance(batch, Packed):
+            assert self.packed_runner is not None
+            return self.packed_runner.embed_packed(batch)
+        return self.engine.runner.embed(batch)
+
     async def _execute(
-        self, lane: int, live: list[Request[Ticket]], batch: Collated, pad_to: int | None
+        self, lane: int, live: list[Request[Ticket]], batch: Prepared, pad_to: int | None
     ) -> None:
         e = self.engine
         loop = asyncio.get_running_loop()
         start = e.clock.now()
         for r in live:
             r.handle.started = start
-        running = loop.run_in_executor(self.executor, e.runner.embed, batch)
+        running = loop.run_in_executor(self.executor, self._model_call, batch)
         limit = e.recovery.batch_timeout_s
         if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
             e.crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
@@ -128,11 +154,12 @@ class BatchRunner:
             [start - r.arrival for r in live],
         )
         log.debug(
-            "batch lane=%s size=%d padded_len=%d real=%d exec_ms=%.1f",
+            "batch lane=%s size=%d width=%d real=%d packed=%s exec_ms=%.1f",
             e.lane_labels[lane],
             len(live),
-            batch.input_ids.shape[1],
+            batch.width,
             batch.real_tokens,
+            isinstance(batch, Packed),
             exec_s * 1000,
         )
         for r, vec in zip(live, out, strict=True):
@@ -145,7 +172,7 @@ class BatchRunner:
         self,
         lane: int,
         live: list[Request[Ticket]],
-        batch: Collated,
+        batch: Prepared,
         pad_to: int | None,
         exc: BaseException,
     ) -> None:
@@ -160,7 +187,7 @@ class BatchRunner:
             for r in live:
                 e.ledger.fail(r, e.refusal())
             return
-        width = int(batch.input_ids.shape[1])
+        width = batch.width
         if is_out_of_memory(exc):
             e.metrics.record_failure(lane, "oom")
             cap = e.caps.lower(lane, len(live), e.clock.now())
@@ -220,12 +247,7 @@ class BatchRunner:
         """Run one fixed, known-good input: does the runner still work at all?"""
         e = self.engine
         ids = e.runner.tokenize([_PROBE_TEXT], True)[0]
-        probe = collate(
-            [ids],
-            e.info.pad_token_id,
-            e.info.padding_side,
-            position_ids=e.info.needs_position_ids,
-        )
+        probe = self.pad([ids], None)
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, e.runner.embed, probe)
         except asyncio.CancelledError:

@@ -1,6 +1,7 @@
 """The engine: the one asyncio loop that admits, schedules, collates, runs and answers.
 
-    submit ─► admission ─► queues ─► schedule() ─► collate ─► runner (worker thread) ─► futures
+    submit ─► tokenize (thread) ─► admission ─► queues ─► schedule() ─► collate ─►
+        runner (thread) ─► futures
 
 Every admitted input is a `Request` with one future; it is answered exactly once, with its
 vector or an explicit error, through the `Ledger`. The loop sleeps until new work arrives, a
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -46,6 +48,8 @@ from lenbatch.serving.lifecycle import BaseEngine, EngineState
 __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
 log = logging.getLogger("lenbatch.embed.engine")
+
+_TOKENIZE_THREADS = 2  # one long input tokenizing leaves a thread for everyone else
 
 Vector = npt.NDArray[np.float32]
 # Texts, or token-id arrays (the model's own ids, used as given).
@@ -92,6 +96,12 @@ class Engine(BaseEngine):
         self.metrics.set_batch_caps(self.caps.caps())
         self.ledger = Ledger(self.clock, self.metrics, self.lane_labels, length_log)
         self.batches = BatchRunner(self, self._executor, self.batching.max_concurrent_batches)
+        # Tokenization runs here, never on the event loop: HF fast tokenizers release the GIL,
+        # so a huge input tokenizing in one thread holds up neither the loop nor a small
+        # request tokenizing in the other.
+        self._tokenize_pool = ThreadPoolExecutor(
+            max_workers=_TOKENIZE_THREADS, thread_name_prefix="lenbatch-tokenize"
+        )
         self._batch_tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -116,6 +126,7 @@ class Engine(BaseEngine):
     def _on_stop(self) -> None:
         for task in list(self._batch_tasks):
             task.cancel()  # their requests are all answered by now
+        self._tokenize_pool.shutdown(wait=False)
         self.ledger.close()
 
     def refresh_memory(self) -> None:
@@ -212,7 +223,14 @@ class Engine(BaseEngine):
         """
         if self.state is not EngineState.RUNNING:
             raise self.refusal()
-        ids = self._token_ids(inputs, truncate)
+        loop = asyncio.get_running_loop()
+        if inputs and isinstance(inputs[0], str):
+            # One batch-encode call per request, in a worker thread (see __init__).
+            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, truncate)
+            if self.state is not EngineState.RUNNING:
+                raise self.refusal()  # drained while this request was tokenizing
+        else:
+            ids = self._token_ids(inputs, truncate)  # token arrays: only a range check
         truncate = self.default_truncate if truncate is None else truncate
         limit = self.info.max_length
         # Too long for the model: cut here if asked; otherwise admission refuses it (413).
@@ -224,7 +242,6 @@ class Engine(BaseEngine):
             raise refusal
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = None if timeout is None else now + timeout
-        loop = asyncio.get_running_loop()
         requests = []
         for x in seqs:
             ticket = Ticket(loop.create_future())

@@ -14,6 +14,10 @@ measures from a bench run and stores in more fields (all 0 in a plain profile):
 same machine (the server's event loop, and a load driver if it shares the machine), which
 slows the model by `cores / (cores - rate * cpu_per_request_s)` at a given request rate. The
 simulator applies all three; `latency()` stays the model's compute.
+
+A cost model is only true on the processor it was measured on (the project's machine changes
+between runs): `processor` holds `runners.hardware.processor_key()` of that machine, and
+`processor_mismatch` says when it does not match the one at hand.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "processor_mismatch"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class CostModel:
     cpu_per_request_s: float = 0.0  # CPU seconds per request outside the model (calibrated)
     cpu_cores: int = 1  # cores that work and the model share
     calibration: str = ""  # where the overheads were measured, if they were
+    processor: str = ""  # `runners.hardware.processor_key()` where measured ("" in old files)
+    dtype: str = ""  # the float type the model ran in (float32, bfloat16)
+    execution: str = ""  # padded or packed
     points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
 
     def latency(self, batch: float, padded_len: float) -> float:
@@ -114,3 +121,20 @@ class CostModel:
     def load(cls, path: str | Path) -> CostModel:
         """Read a cost model written by `save` (or `lenbatch profile --out`)."""
         return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def processor_mismatch(cost: CostModel, here: str) -> str | None:
+    """Why `cost` does not describe the processor `here` (a `processor_key()`), or None."""
+    what = f"cost model of {cost.model or 'the model'}"
+    if not cost.processor:
+        return (
+            f"{what} does not say which processor it was measured on (it predates processor "
+            f"keys); this machine is {here!r}: re-run `lenbatch profile` here"
+        )
+    if cost.processor != here:
+        return (
+            f"{what} was measured on {cost.processor!r}, this machine is {here!r}: its "
+            "latencies do not hold here; re-run `lenbatch profile` (then `lenbatch calibrate`) "
+            "on this machine"
+        )
+    return None

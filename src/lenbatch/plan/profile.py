@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import math
 import statistics
@@ -345,12 +346,22 @@ def profile_and_fit(
         probe=probe,
         progress=progress,
     )
-    return fit_cost_model(
+    cost = fit_cost_model(
         points,
         weights_bytes=runner.memory().weights,
         model=runner.info.name,
         device=device,
         memory_method=probe.method,
+    )
+    from lenbatch.runners.base import PackedEmbeddingRunner
+    from lenbatch.runners.hardware import processor_key
+
+    precision = getattr(runner, "precision", None)
+    return dataclasses.replace(
+        cost,
+        processor=processor_key(device),
+        dtype=precision.name if precision is not None else "",
+        execution="packed" if isinstance(runner, PackedEmbeddingRunner) else "padded",
     )
 
 

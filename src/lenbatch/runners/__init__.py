@@ -1,7 +1,8 @@
 """Runners: the model behind a narrow protocol (`EmbeddingRunner`, `CausalRunner`), real or fake.
 
 `base` holds the protocols, `loading` the model names and folders, `encoder` and `causal` the
-real models, `fake`, `faulty` and `tiny` the stand-ins for tests, `memory` the RSS readings.
+real models, `packed` the padding-free encoder, `hardware` the processor and float type,
+`fake`, `faulty` and `tiny` the stand-ins for tests, `memory` the RSS readings.
 """
 
 from __future__ import annotations

@@ -16,12 +16,18 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.core.collate import Collated
+from lenbatch.core.collate import Collated, Packed
 
 if TYPE_CHECKING:  # torch only for annotations: the protocols import without it
     import torch
 
-__all__ = ["CausalRunner", "EmbeddingRunner", "ModelInfo", "RunnerMemory"]
+__all__ = [
+    "CausalRunner",
+    "EmbeddingRunner",
+    "ModelInfo",
+    "PackedEmbeddingRunner",
+    "RunnerMemory",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,16 @@ class EmbeddingRunner(Protocol):
 
     def memory(self) -> RunnerMemory:
         """Weights and activation memory as measured now."""
+        ...
+
+
+@runtime_checkable
+class PackedEmbeddingRunner(EmbeddingRunner, Protocol):
+    """An embedding runner that also runs padding-free batches (`core.collate.Packed`): the
+    engine packs its batches instead of padding them."""
+
+    def embed_packed(self, batch: Packed) -> npt.NDArray[np.float32]:
+        """One float32 vector per row of the packed batch, `[rows, dim]`."""
         ...
 
 

@@ -27,6 +27,10 @@ __all__ = ["EncoderRunner", "read_pooling"]
 
 log = logging.getLogger("lenbatch.runner")
 
+# Characters per token that a truncating cut leaves room for (English averages about 4): a cut
+# text that still yields fewer tokens than the limit is tokenized whole (exact either way).
+_CHARS_PER_TOKEN_BOUND = 16
+
 # sentence-transformers pooling config key -> our pooling mode, in its order of precedence
 _POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
@@ -82,9 +86,7 @@ class EncoderRunner:
         self.precision = resolve_precision(dtype, device)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
         self.model: Any = (
-            AutoModel.from_pretrained(self.folder)
-            .to(self.device, dtype=self.precision.dtype)
-            .eval()
+            AutoModel.from_pretrained(self.folder).to(self.device, dtype=self._load_dtype()).eval()
         )
         self.pooling, self.normalize, st_max = read_pooling(self.folder)
         if not (self.folder / "modules.json").exists():
@@ -118,10 +120,35 @@ class EncoderRunner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _load_dtype(self) -> torch.dtype:
+        """The float type the model's weights are loaded in (subclasses may keep float32)."""
+        return self.precision.dtype
+
     def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """Token ids with special tokens; truncated to the limit only when asked."""
+        """Token ids with special tokens; truncated to the limit only when asked.
+
+        One batch-encode call for all `texts`. When truncating, a text far longer than the
+        limit could need is cut first at a space (`_cut`), so a 1 MB input costs a few KB of
+        tokenizing; a cut text that then falls short of the limit is tokenized whole instead,
+        so the result is always what truncating the whole text gives.
+        """
+        if not truncate:
+            return self._encode(list(texts), False)
+        cuts = [self._cut(t) for t in texts]
+        ids = self._encode(cuts, True)
+        short = [
+            i
+            for i, (t, c) in enumerate(zip(texts, cuts, strict=True))
+            if c is not t and len(ids[i]) < self.info.max_length
+        ]
+        if short:
+            for i, redone in zip(short, self._encode([texts[i] for i in short], True), strict=True):
+                ids[i] = redone
+        return ids
+
+    def _encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
         enc = self.tokenizer(
-            list(texts),
+            texts,
             add_special_tokens=True,
             truncation=truncate,
             max_length=self.info.max_length if truncate else None,
@@ -129,6 +156,16 @@ class EncoderRunner:
             return_token_type_ids=False,
         )
         return [list(ids) for ids in enc["input_ids"]]
+
+    def _cut(self, text: str) -> str:
+        """`text`, or a prefix of it ending before a space that holds at least as many
+        characters as the limit could take tokens (pre-tokenizers split at spaces, so the
+        prefix's tokens are the whole text's first tokens)."""
+        room = self.info.max_length * _CHARS_PER_TOKEN_BOUND
+        if len(text) <= room:
+            return text
+        space = text.rfind(" ", 0, room)
+        return text[:space] if space > 0 else text
 
     @torch.inference_mode()
     def embed(self, batch: Collated) -> npt.NDArray[np.float32]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from lenbatch.runners.base import EmbeddingRunner
@@ -9,6 +10,8 @@ from lenbatch.runners.base import EmbeddingRunner
 __all__ = ["MODEL_ALIASES", "load_runner", "resolve_model"]
 
 MODEL_ALIASES = ("minilm",)
+
+log = logging.getLogger("lenbatch.runner")
 
 
 def resolve_model(name: str) -> tuple[Path, str]:
@@ -33,12 +36,17 @@ def load_runner(
     max_length: int | None = None,
     torch_threads: int | None = None,
     dtype: str = "float32",
+    execution: str = "padded",
 ) -> EmbeddingRunner:
     """Load the model called `name` (alias or folder) as an embedding runner.
 
     `fake?...` is a hidden alias for tests: a deterministic fake runner with an optional
     per-batch cost and injected faults (see `lenbatch.runners.faulty.runner_from_spec`).
+    `execution` is `padded`, `packed` (padding-free, `runners.packed`; BERT-family only) or
+    `auto` (packed where the model supports it).
     """
+    if execution not in ("padded", "packed", "auto"):
+        raise ValueError(f"execution {execution!r}: expected padded, packed or auto")
     if name.partition("?")[0].lower() == "fake":
         from lenbatch.runners.faulty import runner_from_spec
 
@@ -46,7 +54,20 @@ def load_runner(
     from lenbatch.runners.encoder import EncoderRunner
 
     folder, served = resolve_model(name)
-    return EncoderRunner(
+    runner_class: type[EncoderRunner] = EncoderRunner
+    if execution != "padded":
+        from transformers import AutoConfig
+
+        from lenbatch.runners.packed import PackedEncoderRunner, supports_packing
+
+        ok, why = supports_packing(AutoConfig.from_pretrained(folder))
+        if ok:
+            runner_class = PackedEncoderRunner
+        elif execution == "packed":
+            raise ValueError(f"execution packed is not available for {name!r}: {why}")
+        else:
+            log.info("execution auto: padded (%s)", why)
+    return runner_class(
         folder,
         name=served,
         device=device,

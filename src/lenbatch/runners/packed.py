@@ -1,0 +1,206 @@
+"""Padding-free execution of BERT-family encoders: a batch costs its real tokens.
+
+The token-wise layers (embeddings, the fused Q/K/V projection, attention output, feed-forward,
+LayerNorms) run on the batch's tokens packed end to end, `[tokens, hidden]`. Only attention
+needs rows: the packed Q/K/V are scattered into `[rows, width]` (width: the longest row) for
+one `scaled_dot_product_attention` call with a key mask, and the result is gathered back. A
+batch whose rows all have the same length (a bucket's batch often does) skips the scatter and
+the mask. For MiniLM at bucket lengths attention is the small part of the cost, so padding
+there costs little; the feed-forward and projections, which dominate, see no padding at all.
+
+The layers are the model's own modules, read in place (weights, epsilons, activation), so the
+result equals Hugging Face's forward up to float rounding: within 1e-5 of sentence-transformers
+in float32 (a test checks). In bfloat16 the matrix products run in bfloat16 on bfloat16 copies
+of the weights made at load, while the residual stream, LayerNorms, pooling and the softmax's
+accumulation stay float32, as `torch.autocast` would run them but without re-casting the
+weights on every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from lenbatch.core.collate import Collated, Packed, pack_collated
+from lenbatch.runners.encoder import EncoderRunner
+from lenbatch.runners.memory import current_rss
+
+__all__ = ["PackedEncoderRunner", "supports_packing"]
+
+log = logging.getLogger("lenbatch.runner")
+
+_PACKABLE = ("bert",)  # model types whose layer layout this module knows
+
+
+def supports_packing(config: Any) -> tuple[bool, str]:
+    """Whether a model config can run packed here, and why not if it cannot."""
+    kind = getattr(config, "model_type", "?")
+    if kind not in _PACKABLE:
+        return False, f"model type {kind!r} is not BERT-family ({', '.join(_PACKABLE)})"
+    if getattr(config, "is_decoder", False):
+        return False, "a decoder (causal attention) cannot run packed here"
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return False, "only absolute position embeddings are supported packed"
+    return True, "BERT-family encoder with absolute positions"
+
+
+class _Linear:
+    """A linear layer's weights in the float type its matrix product runs in."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = weight.detach().to(dtype)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight, self.bias)
+
+
+class _Layer:
+    """One BERT layer's parts, with Q, K and V fused into one matrix product."""
+
+    def __init__(self, layer: Any, dtype: torch.dtype) -> None:
+        att = layer.attention.self
+        q, k, v = att.query, att.key, att.value
+        self.heads = int(att.num_attention_heads)
+        self.head_dim = int(att.attention_head_size)
+        self.qkv = _Linear(
+            torch.cat([q.weight, k.weight, v.weight]),
+            torch.cat([q.bias, k.bias, v.bias]),
+            dtype,
+        )
+        self.attn_out = _Linear(
+            layer.attention.output.dense.weight, layer.attention.output.dense.bias, dtype
+        )
+        self.attn_norm = layer.attention.output.LayerNorm
+        self.up = _Linear(layer.intermediate.dense.weight, layer.intermediate.dense.bias, dtype)
+        self.act = layer.intermediate.intermediate_act_fn
+        self.down = _Linear(layer.output.dense.weight, layer.output.dense.bias, dtype)
+        self.out_norm = layer.output.LayerNorm
+
+
+class PackedEncoderRunner(EncoderRunner):
+    """`EncoderRunner` that runs BERT-family encoders padding-free (`embed_packed`).
+
+    Takes the same arguments; `dtype` bfloat16 runs the matrix products in bfloat16 (module
+    docstring). `embed` accepts a padded batch too (it packs its real tokens first).
+    """
+
+    packed = True
+
+    def __init__(self, folder: str | Path, **kwargs: Any) -> None:
+        super().__init__(folder, **kwargs)
+        ok, why = supports_packing(self.model.config)
+        if not ok:
+            raise ValueError(f"packed execution is not available for {self.folder.name}: {why}")
+        # The runner's own modules stay float32 (LayerNorms, embeddings); only the matrix
+        # products run in the chosen type.
+        self.model.float()
+        mm_dtype = self.precision.dtype
+        emb = self.model.embeddings
+        self._word = emb.word_embeddings
+        self._pos = emb.position_embeddings
+        # Token type 0 for every token, as the padded path does without token_type_ids.
+        self._type0 = emb.token_type_embeddings.weight[0].detach()
+        self._emb_norm = emb.LayerNorm
+        self._layers = [_Layer(layer, mm_dtype) for layer in self.model.encoder.layer]
+        self._mm_dtype = mm_dtype
+        # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
+        # encoder weights would only take memory.
+        del self.model.encoder
+        self._weights = sum(t.numel() * t.element_size() for t in self._tensors())
+        self._rss_after_load = current_rss()
+        log.info("packed execution: %s; matrix products in %s", why, self.precision.name)
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        """Every weight the packed forward keeps (each once)."""
+        seen: set[int] = set()
+        parts: list[torch.Tensor] = list(self.model.parameters())
+        for layer in self._layers:
+            for lin in (layer.qkv, layer.attn_out, layer.up, layer.down):
+                parts += [lin.weight] + ([] if lin.bias is None else [lin.bias])
+            parts += list(layer.attn_norm.parameters()) + list(layer.out_norm.parameters())
+        for t in parts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                yield t
+
+    def _load_dtype(self) -> torch.dtype:
+        return torch.float32  # the matrix products get their own copies (see __init__)
+
+    def embed(self, batch: Collated) -> npt.NDArray[np.float32]:
+        """A padded batch's vectors, computed packed (only its real tokens)."""
+        return self.embed_packed(pack_collated(batch))
+
+    @torch.inference_mode()
+    def embed_packed(self, batch: Packed) -> npt.NDArray[np.float32]:
+        """One vector per row of a packed batch: forward on real tokens, pool, normalise."""
+        dev = self.device
+        ids = torch.from_numpy(batch.input_ids).to(dev)
+        pos = torch.from_numpy(batch.position_ids).to(dev)
+        x = self._word(ids) + self._pos(pos) + self._type0
+        x = self._emb_norm(x)
+        attend = _Attention(batch, dev, self._mm_dtype)
+        for layer in self._layers:
+            # One expression per sub-block, so no intermediate outlives its use (peak memory).
+            ctx = attend(layer.qkv(x), layer.heads, layer.head_dim)
+            x = layer.attn_norm(layer.attn_out(ctx).float() + x)
+            del ctx
+            x = layer.out_norm(layer.down(layer.act(layer.up(x))).float() + x)
+        pooled = self._pool_packed(x, batch)
+        if self.normalize:
+            pooled = F.normalize(pooled, p=2, dim=1)
+        out: npt.NDArray[np.float32] = pooled.float().cpu().numpy()
+        return out
+
+    def _pool_packed(self, x: torch.Tensor, batch: Packed) -> torch.Tensor:
+        offsets = torch.from_numpy(batch.offsets).to(self.device)
+        if self.pooling == "cls":
+            return x[offsets[:-1]]
+        if self.pooling == "lasttoken":
+            return x[offsets[1:] - 1]
+        rows = torch.from_numpy(batch.row_ids).to(self.device)
+        out = torch.zeros(batch.rows, x.shape[1], dtype=x.dtype, device=x.device)
+        if self.pooling == "max":
+            index = rows.unsqueeze(1).expand_as(x)
+            return out.scatter_reduce(0, index, x, reduce="amax", include_self=False)
+        lengths = (offsets[1:] - offsets[:-1]).to(x.dtype).unsqueeze(1)
+        return out.index_add_(0, rows, x) / lengths
+
+
+class _Attention:
+    """Self-attention over a packed batch: packed Q/K/V in, packed context out."""
+
+    def __init__(self, batch: Packed, device: torch.device, dtype: torch.dtype) -> None:
+        self.rows, self.width, self.tokens = batch.rows, batch.width, batch.real_tokens
+        self.uniform = batch.uniform
+        self.dtype = dtype
+        self.slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        if not self.uniform:
+            self.slots = torch.from_numpy(batch.slots).to(device)
+            lengths = torch.tensor(batch.lengths, device=device)
+            keys = torch.arange(self.width, device=device)
+            # [rows, 1, 1, width]: True where the key is a real token of that row
+            self.mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+
+    def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        hidden = heads * head_dim
+        if self.uniform:
+            rows = qkv.view(self.rows, self.width, 3, heads, head_dim)
+        else:
+            assert self.slots is not None
+            grid = qkv.new_zeros(self.rows * self.width, 3 * hidden)
+            grid[self.slots] = qkv
+            rows = grid.view(self.rows, self.width, 3, heads, head_dim)
+        q, k, v = rows.permute(2, 0, 3, 1, 4).unbind(0)  # each [rows, heads, width, head_dim]
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        ctx = ctx.transpose(1, 2).reshape(self.rows * self.width, hidden)
+        return ctx if self.slots is None else ctx[self.slots]
