@@ -147,7 +147,7 @@ class FakePeer:
 def test_bench_launches_a_fake_peer_and_reports_its_setup(tmp_path: Path) -> None:
     """The peer's venv record, command, environment and notes reach the report; its own
     health path is used; its environment is passed (the fake answers 500 otherwise); two
-    rates replay the same requests; the server is gone afterwards."""
+    rates replay the same requests on one server start; the server is gone afterwards."""
     root = tmp_path / "peers"
     (root / "fake").mkdir(parents=True)
     stamp = {"requirements": ["fake-peer==1.0"], "uninstalled": [], "install_s": 12.5,
@@ -165,6 +165,7 @@ def test_bench_launches_a_fake_peer_and_reports_its_setup(tmp_path: Path) -> Non
     cfg = BenchConfig(
         plan=plan, endpoint=EmbeddingsEndpoint(), targets=[target], report_dir=tmp_path / "r",
         rates=(1.0, 2.0), warmup=[body], meta={"title": "fake"}, progress=False,
+        keep_server=True,
     )  # fmt: skip
     text = run_bench(cfg, log=lambda _: None).read_text()
     runs = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "r" / "runs").glob("*.json")}
@@ -178,6 +179,7 @@ def test_bench_launches_a_fake_peer_and_reports_its_setup(tmp_path: Path) -> Non
 
             os.kill(run["pid"], 0)
     assert runs["fake@x2"]["summary"]["offered_rps"] == pytest.approx(12.0)
+    assert runs["fake"]["pid"] == runs["fake@x2"]["pid"]  # --keep-server: one start
     assert "## Peers from other projects" in text and "fake-peer 1.0" in text
     assert "12.5 s, 321 MB on disk" in text and "fake flag note" in text
     assert "`FAKE_PEER_TOKEN=ok`" in text and str(FAKE_SERVER) in text

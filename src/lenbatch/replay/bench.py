@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from lenbatch.replay.driver import ReplayPlan, replay, summarize_replay
+from lenbatch.replay.driver import ReplayPlan, ReplayResult, replay, summarize_replay
 from lenbatch.replay.endpoints import Endpoint
 from lenbatch.replay.peers.external import (
     OFFLINE_ENV,
@@ -309,6 +309,7 @@ class BenchConfig:
     progress: bool = True
     model: str = "minilm"  # what peers from other projects are launched with
     max_batch: int = 32
+    keep_server: bool = False  # start each target once for the whole rate sweep
 
 
 def machine_description() -> str:
@@ -372,63 +373,78 @@ def _warm_up(url: str, endpoint: Endpoint, bodies: Sequence[bytes]) -> None:
 
 def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
     """Start `target`, replay the plan at `rate`, stop it; its record (saved as JSON too)."""
+    return run_on_one_server(cfg, target, [rate])[0]
+
+
+def run_on_one_server(cfg: BenchConfig, target: Target, rates: Sequence[float]) -> list[RunRecord]:
+    """Start `target` once, replay the plan at each rate in turn (warm-up once, first), stop
+    it; one record per rate (each saved as JSON too). Peak RSS is sampled per run, so a later
+    run's figure includes what the server kept from the earlier ones."""
     runs = cfg.report_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    tag = target.name if rate == 1.0 else f"{target.name}@x{rate:g}"
-    server = ServerProcess(target, free_port(), runs / f"{tag}.log")
+    tags = [target.name if rate == 1.0 else f"{target.name}@x{rate:g}" for rate in rates]
+    server = ServerProcess(target, free_port(), runs / f"{tags[0]}.log")
+    done: list[tuple[float, str, dict[str, Any], ReplayResult]] = []
     try:
         ready_s = server.wait_ready()
         _warm_up(server.url, cfg.endpoint, cfg.warmup)
-        cpu_before = server.cpu_seconds()
-        result = asyncio.run(
-            replay(
-                server.url,
-                _scaled(cfg.plan, rate),
-                cfg.endpoint,
-                clients=cfg.clients,
-                timeout_s=cfg.timeout_s,
-                max_in_flight=cfg.max_in_flight,
-                progress=cfg.progress,
+        for rate, tag in zip(rates, tags, strict=True):
+            server.peak_rss = 0
+            cpu_before = server.cpu_seconds()
+            result = asyncio.run(
+                replay(
+                    server.url,
+                    _scaled(cfg.plan, rate),
+                    cfg.endpoint,
+                    clients=cfg.clients,
+                    timeout_s=cfg.timeout_s,
+                    max_in_flight=cfg.max_in_flight,
+                    progress=cfg.progress,
+                )
             )
-        )
-        cpu_after = server.cpu_seconds()
+            cpu_after = server.cpu_seconds()
+            peak = max(server.peak_rss, _tree_rss(server.proc.pid))
+            summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
+            summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
+            summary["peak_memory_mb"] = peak / 2**20 if peak else None
+            summary["startup_s"] = ready_s
+            summary["server_started_for_this_run"] = len(rates) == 1
+            # The server's CPU time during the replay: the calibration's per-request CPU share.
+            summary["server_cpu"] = (
+                {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
+                if cpu_before is not None and cpu_after is not None
+                else None
+            )
+            summary["cpu_count"] = os.cpu_count()
+            summary["offered_rps"] = _offered_rps(cfg.plan, rate)
+            done.append((rate, tag, summary, result))
     finally:
         returncode = server.stop()
-    summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
-    summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
-    summary["peak_memory_mb"] = server.peak_rss / 2**20 if server.peak_rss else None
-    summary["startup_s"] = ready_s
-    # The server's CPU time during the replay: the calibration's per-request CPU share.
-    summary["server_cpu"] = (
-        {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
-        if cpu_before is not None and cpu_after is not None
-        else None
-    )
-    summary["cpu_count"] = os.cpu_count()
-    summary["offered_rps"] = _offered_rps(cfg.plan, rate)
-    predicted = None
-    if cfg.predictor is not None and target.kind == "strategy":
-        predicted = cfg.predictor(target.name, rate)
-    record = RunRecord(target.name, target.kind, rate, summary, result, predicted)
-    (runs / f"{tag}.json").write_text(
-        json.dumps(
-            {
-                "name": target.name,
-                "kind": target.kind,
-                "rate": rate,
-                "command": target.command(server.port),
-                "env": dict(target.env),
-                "peer": target.info or None,
-                "pid": server.proc.pid,
-                "returncode": returncode,
-                "summary": summary,
-                "predicted": predicted,
-                "result": result.to_json(),
-            }
-        ),
-        encoding="utf-8",
-    )
-    return record
+    records = []
+    for rate, tag, summary, result in done:
+        predicted = None
+        if cfg.predictor is not None and target.kind == "strategy":
+            predicted = cfg.predictor(target.name, rate)
+        records.append(RunRecord(target.name, target.kind, rate, summary, result, predicted))
+        (runs / f"{tag}.json").write_text(
+            json.dumps(
+                {
+                    "name": target.name,
+                    "kind": target.kind,
+                    "rate": rate,
+                    "command": target.command(server.port),
+                    "env": dict(target.env),
+                    "peer": target.info or None,
+                    "pid": server.proc.pid,
+                    "returncode": returncode,
+                    "summary": summary,
+                    "predicted": predicted,
+                    "result": result.to_json(),
+                }
+            ),
+            encoding="utf-8",
+        )
+    return records
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
@@ -441,17 +457,23 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
         for t in cfg.targets
     ]
     records: list[RunRecord] = []
-    for rate in cfg.rates:
-        for target in targets:
-            log(f"bench: {target.name} at rate x{rate:g} ({len(cfg.plan)} requests)")
-            rec = run_one(cfg, target, rate)
+    if cfg.keep_server:  # one start per target, every rate against it
+        batches = [(t, list(cfg.rates)) for t in targets]
+    else:  # a fresh server for every run, rates outermost
+        batches = [(t, [rate]) for rate in cfg.rates for t in targets]
+    for target, rates in batches:
+        rates_text = ", ".join(f"x{r:g}" for r in rates)
+        log(f"bench: {target.name} at rate {rates_text} ({len(cfg.plan)} requests)")
+        for rec in run_on_one_server(cfg, target, rates):
             s = rec.summary
             log(
-                f"bench: {target.name}: p50 {s['p50_ms'] or float('nan'):.0f} ms, "
+                f"bench: {rec.label}: p50 {s['p50_ms'] or float('nan'):.0f} ms, "
                 f"p95 {s['p95_ms'] or float('nan'):.0f} ms, "
                 f"{s['real_tokens_per_s']:.0f} real tok/s, errors {s['error_rate']:.1%}"
             )
             records.append(rec)
+    order = {t.name: i for i, t in enumerate(targets)}
+    records.sort(key=lambda r: (cfg.rates.index(r.rate), order[r.name]))
     meta = dict(cfg.meta)
     peers = {t.name: {**t.info, "command": list(t.argv)} for t in targets if t.info}
     if peers:
