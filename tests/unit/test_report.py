@@ -159,3 +159,7 @@ def test_headline_picks_the_highest_rate_within_the_bound_and_the_saturation_poi
     assert "| fifo | x1 (10.0 req/s) | 1,000 | 80.0 (x0.5) | 1,200 (x2, 10.0 % failed) |" in head
     assert "| 450 | 2,400 | 50.0 % |" in head
     assert "| peer | none in this sweep |" in head and "Oracle: test" in head
+    assert "slower than this machine" not in head
+    stale = {"fifo": {"real_tokens_per_s": 1000.0}}  # a strategy above its own bound
+    md = write_report(tmp_path, records, {"oracle": stale}).read_text()
+    assert "**The cost model is slower than this machine**: fifo served more" in md

@@ -162,7 +162,8 @@ def _headline_table(records: Sequence[RunRecord], meta: dict[str, Any]) -> list[
         "of oracle |",
         "|" + "---|" * 8,
     ]
-    for h in headline_rows(records, oracle):
+    rows = headline_rows(records, oracle)
+    for h in rows:
         slo = "none in this sweep"
         if h["slo_rate"] is not None:
             slo = f"x{h['slo_rate']:g}"
@@ -190,6 +191,14 @@ def _headline_table(records: Sequence[RunRecord], meta: dict[str, Any]) -> list[
     ]
     if meta.get("oracle_note"):
         lines += ["", str(meta["oracle_note"])]
+    over = [h["name"] for h in rows if h["kind"] == "strategy" and (h["of_oracle"] or 0) > 1]
+    if over:
+        lines += [
+            "",
+            f"**The cost model is slower than this machine**: {', '.join(over)} served more "
+            "than the oracle it bounds, so the oracle column understates what this CPU can "
+            "do. Profile the model here (`lenbatch profile`) and re-run for a meaningful ratio.",
+        ]
     elif not oracle:
         lines += ["", "No cost model given (`--cost FILE`): no oracle column."]
     return lines
