@@ -126,3 +126,50 @@ def test_traffic_needs_exactly_one_source() -> None:
         _traffic(["replay", "--url", "http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="not both"):
         _traffic(["replay", "azure-conv", "--scenario", "mixed", "--url", "http://127.0.0.1:1"])
+
+
+def test_span_fixes_the_trace_window_whatever_the_rate_scale() -> None:
+    """`--span S` replays the requests of [start, start+S) of trace time at any rate scale,
+    in S / rate-scale seconds; it refuses --duration and --end."""
+    base = ["replay", "azure-conv", "--start", "600", "--span", "20", "--length-scale", "0.05"]
+    url = ["--max-length", "256", "--url", "http://127.0.0.1:1"]
+    slow = _traffic([*base, *url])
+    fast = _traffic([*base, "--rate-scale", "4", *url])
+    assert len(slow.plan) == len(fast.plan) > 10
+    assert slow.plan.lengths.tolist() == fast.plan.lengths.tolist()
+    np.testing.assert_allclose(fast.plan.scheduled, slow.plan.scheduled / 4)
+    assert (slow.plan.span_s, fast.plan.span_s) == (20.0, 5.0)
+    assert slow.plan.scheduled.max() < 20.0
+    window = _traffic(["replay", "azure-conv", "--start", "600", "--end", "620",
+                       "--length-scale", "0.05", *url])  # fmt: skip
+    assert window.plan.lengths.tolist() == slow.plan.lengths.tolist()
+    assert any("span: 20 s of trace time" in n for n in fast.plan.notes)
+    for extra in (["--duration", "5"], ["--end", "700"]):
+        with pytest.raises(ValueError, match="--span"):
+            _traffic([*base, *extra, *url])
+
+
+def test_oracle_figures_use_each_strategys_batching_on_the_bench_requests(tmp_path: Path) -> None:
+    """The oracle sees the plan's real lengths and each server's caps: a strategy with a
+    smaller --max-batch-tokens in its serve flags gets a lower bound, peers the plain one."""
+    from lenbatch.cli.bench import oracle_figures
+    from lenbatch.plan.oracle import oracle_for
+
+    cost_file = tmp_path / "cost.json"
+    cost = CostModel(const=0.05, per_token=1e-4, model="m")
+    cost.save(cost_file)
+    plan = ReplayPlan(
+        scheduled=np.arange(6.0), lengths=np.array([5, 9, 30, 200, 7, 64]), bodies=[b""] * 6
+    )
+    traffic = Traffic(Trace(plan.lengths), plan, EmbeddingsEndpoint(), [], 256)
+    args = argparse.Namespace(cost=str(cost_file), model="minilm", max_batch=4,
+                              max_wait_ms=10.0, strategies=["fifo"], peer=["naive"])  # fmt: skip
+    figures, note = oracle_figures(args, traffic, ["--max-batch-tokens", "256"])
+    expect = oracle_for(
+        plan.lengths, cost, batching_for("fifo", 4, 10.0, ["--max-batch-tokens", "256"])
+    )
+    plain = oracle_for(plan.lengths, cost, batching_for("fifo", 4, 10.0, []))
+    assert figures["fifo"]["real_tokens_per_s"] == pytest.approx(expect.real_tokens_per_s)
+    assert figures["naive"]["real_tokens_per_s"] == pytest.approx(plain.real_tokens_per_s)
+    assert figures["fifo"]["real_tokens_per_s"] < figures["naive"]["real_tokens_per_s"]
+    assert "cost.json" in note and "--max-batch 4" in note

@@ -29,7 +29,8 @@ def _body(ep: CompletionsEndpoint, out: int, **extra: object) -> bytes:
 
 
 def test_body_is_a_streaming_completion_request() -> None:
-    """The body asks for a stream, the trace's output length and usage in the stream."""
+    """The body asks for a stream, the trace's output length (as `ignore_eos` and as
+    `min_tokens`, for servers without `ignore_eos`) and usage in the stream."""
     body = json.loads(CompletionsEndpoint("tiny").body("hello there", 12))
     assert body == {
         "prompt": "hello there",
@@ -38,8 +39,11 @@ def test_body_is_a_streaming_completion_request() -> None:
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
         "ignore_eos": True,
+        "min_tokens": 12,
         "model": "tiny",
     }
+    free = json.loads(CompletionsEndpoint(ignore_eos=False).body("hi", 5))
+    assert "ignore_eos" not in free and "min_tokens" not in free
 
 
 async def test_ttft_gaps_and_output_tokens_are_measured() -> None:

@@ -80,7 +80,7 @@ def test_report_tables_show_ratios_against_fifo_and_the_peer(tmp_path: Path) -> 
     path = write_report(tmp_path, _records(), {"command": "lenbatch bench x", "machine": "m"})
     text = path.read_text()
     rows: dict[str, str] = {}
-    for line in text.splitlines():  # the first table is the main one
+    for line in text.split("## Results", 1)[1].splitlines():  # first table: the main one
         if line.startswith("| "):
             rows.setdefault(line.split("|")[1].strip(), line)
     cells = [c.strip() for c in rows["bucketed"].split("|")[1:-1]]
@@ -121,3 +121,45 @@ def test_rate_sweep_adds_a_plot(tmp_path: Path) -> None:
     recs += [RunRecord(r.name, r.kind, 2.0, r.summary, r.result) for r in _records()]
     write_report(tmp_path, recs, {})
     assert (tmp_path / "rate_sweep.png").exists()
+
+
+def test_headline_picks_the_highest_rate_within_the_bound_and_the_saturation_point(
+    tmp_path: Path,
+) -> None:
+    """Per server over a sweep: highest rate with P95 <= 1 s and few failures, light-load P95
+    (the lowest rate), the most real tokens/s at any rate, the largest RSS, and the ratio to
+    the oracle where one is given."""
+    from lenbatch.replay.report import headline_rows
+
+    def run(name: str, rate: float, p95: float, tok: float, err: float, rss: float) -> RunRecord:
+        s = _summary(p95 / 2, p95, tok, None, error_rate=err, peak_memory_mb=rss,
+                     offered_rps=10 * rate)  # fmt: skip
+        return RunRecord(name, "strategy" if name == "fifo" else "peer", rate, s)
+
+    records = [
+        run("fifo", 0.5, 80.0, 500.0, 0.0, 400.0),
+        run("fifo", 1.0, 900.0, 1000.0, 0.0, 450.0),
+        run("fifo", 2.0, 4000.0, 1200.0, 0.10, 430.0),  # past the bound, but the most tok/s
+        run("peer", 0.5, 1500.0, 300.0, 0.0, 900.0),  # never within the bound
+        run("peer", 1.0, 800.0, 350.0, 0.05, 950.0),  # within P95 but too many failures
+    ]
+    oracle = {"fifo": {"real_tokens_per_s": 2400.0}}
+    rows = {h["name"]: h for h in headline_rows(records, oracle)}
+    fifo, peer = rows["fifo"], rows["peer"]
+    assert (fifo["slo_rate"], fifo["slo_real_tokens_per_s"], fifo["slo_offered_rps"]) == (
+        1.0, 1000.0, 10.0,
+    )  # fmt: skip
+    assert (fifo["light_p95_ms"], fifo["saturation_rate"]) == (80.0, 2.0)
+    assert fifo["saturation_real_tokens_per_s"] == 1200.0 and fifo["peak_memory_mb"] == 450.0
+    assert fifo["of_oracle"] == 0.5
+    assert peer["slo_rate"] is None and peer["of_oracle"] is None
+    text = write_report(tmp_path, records, {"oracle": oracle, "oracle_note": "Oracle: test"})
+    md = text.read_text()
+    head = md.split("## Headline", 1)[1].split("## Results", 1)[0]
+    assert "| fifo | x1 (10.0 req/s) | 1,000 | 80.0 (x0.5) | 1,200 (x2, 10.0 % failed) |" in head
+    assert "| 450 | 2,400 | 50.0 % |" in head
+    assert "| peer | none in this sweep |" in head and "Oracle: test" in head
+    assert "slower than this machine" not in head
+    stale = {"fifo": {"real_tokens_per_s": 1000.0}}  # a strategy above its own bound
+    md = write_report(tmp_path, records, {"oracle": stale}).read_text()
+    assert "**The cost model is slower than this machine**: fifo served more" in md

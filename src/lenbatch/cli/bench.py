@@ -45,7 +45,10 @@ def register(sub: Any) -> None:
         type=_names,
         default=[],
         metavar="P1,P2",
-        help="peers to run as well: naive, ray (ray needs `pip install 'lenbatch[ray]'`)",
+        help="peers to run as well: naive, ray (needs `pip install 'lenbatch[ray]'`), "
+        "infinity, vllm, vllm-allcores (vLLM with its model threads on every core), llamacpp "
+        "(completions); infinity, vllm and llamacpp are installed on first use into "
+        ".venv-peers/NAME (minutes, ~1-4 GB each)",
     )
     p.add_argument("--report", required=True, metavar="DIR", help="output folder")
     p.add_argument(
@@ -54,6 +57,13 @@ def register(sub: Any) -> None:
         default=[1.0],
         metavar="X1,X2",
         help="run each target at these multiples of the traffic's rate (default 1)",
+    )
+    p.add_argument(
+        "--keep-server",
+        action="store_true",
+        help="start each server once and replay every rate of the sweep against it, in the "
+        "order given (default: a fresh server per run). Saves start-up time: vLLM takes about a "
+        "minute to start",
     )
     p.add_argument("--max-batch", type=int, default=32, help="batch cap for all servers (32)")
     p.add_argument(
@@ -98,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         from lenbatch.cli.predict import make_predictor
 
         predictor, prediction_note = make_predictor(args, traffic, serve_args)
+    oracles, oracle_note = None, None
+    if args.cost:
+        oracles, oracle_note = oracle_figures(args, traffic, serve_args)
     settings = describe(args)
     settings.update(
         {
@@ -105,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             "peers": ",".join(args.peer) or "none",
             "max batch / max wait": f"{args.max_batch} / {args.max_wait_ms:g} ms (all servers)",
             "extra serve flags": args.serve_args or "none",
+            "servers": "started once per target for the whole sweep"
+            if args.keep_server
+            else "a fresh server for every run",
             "traffic": lengths_summary(traffic.plan.lengths),
         }
     )
@@ -115,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": settings,
         "conditions": args.conditions,
         "prediction_note": prediction_note,
+        "oracle": oracles,
+        "oracle_note": oracle_note,
     }
     cfg = BenchConfig(
         plan=traffic.plan,
@@ -131,12 +149,54 @@ def run(args: argparse.Namespace) -> int:
         predictor=predictor,
         meta=meta,
         progress=not args.no_progress,
+        model=args.model,
+        max_batch=args.max_batch,
+        keep_server=args.keep_server,
     )
     path = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     if args.cost and args.strategies:
         _append_calibration(path, args.cost)
     print(path)
     return 0
+
+
+def oracle_figures(
+    args: argparse.Namespace, traffic: Any, serve_args: list[str]
+) -> tuple[dict[str, dict[str, float]], str]:
+    """The offline sorted-batch oracle (`plan.oracle`) on the bench's very requests, with the
+    given cost model: for each strategy with the batching its server gets, and for the peers
+    with a plain `lenbatch serve --max-batch N` (the same caps). Returns
+    ({name: {real_tokens_per_s, throughput_rps, padding_waste}}, note)."""
+    from lenbatch.cli.predict import batching_for
+    from lenbatch.plan.costmodel import CostModel
+    from lenbatch.plan.oracle import oracle_for
+    from lenbatch.replay.bodies import model_max_length
+
+    cost = CostModel.load(args.cost)
+    limit = model_max_length(args.model) or 512
+    out: dict[str, dict[str, float]] = {}
+    names = [*args.strategies, *(["peers"] if args.peer else [])]
+    for name in names:
+        if name == "peers":
+            batching = batching_for("fifo", args.max_batch, args.max_wait_ms, [])
+        else:
+            batching = batching_for(name, args.max_batch, args.max_wait_ms, serve_args)
+        orc = oracle_for(traffic.plan.lengths, cost, batching, max_length=limit, truncate=True)
+        figures = {
+            "real_tokens_per_s": orc.real_tokens_per_s,
+            "throughput_rps": orc.throughput_rps,
+            "padding_waste": orc.padding_waste,
+        }
+        for target in args.peer if name == "peers" else [name]:
+            out[target] = figures
+    note = (
+        f"Oracle: every request of this run known up front, sorted by length and cut into the "
+        f"fastest batches under the server's caps, timed by the cost model "
+        f"{Path(args.cost).name} ({cost.model or 'model not named'}); peers are held to the "
+        f"oracle of `lenbatch serve --max-batch {args.max_batch}`. It is a bound for "
+        "lenbatch's runner on this cost model; a peer with faster kernels can exceed it."
+    )
+    return out, note
 
 
 def _append_calibration(report: Path, cost_path: str) -> None:

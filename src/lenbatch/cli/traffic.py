@@ -42,6 +42,15 @@ def add_traffic_options(p: argparse.ArgumentParser) -> None:
         help="replay only requests scheduled in the first S seconds (after rate scaling); "
         "--scenario: its length (default 60)",
     )
+    g.add_argument(
+        "--span",
+        type=float,
+        default=None,
+        metavar="S",
+        help="replay a fixed S seconds of trace time from --start (before --rate-scale), so a "
+        "rate sweep sends the same requests at every rate and the run lasts S / rate; "
+        "--scenario: its length in scenario time. Not with --duration or --end",
+    )
     g.add_argument("--seed", type=int, default=0, help="scenario and text seed (default 0)")
     r = p.add_argument_group("requests")
     r.add_argument(
@@ -123,10 +132,23 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
         raise ValueError("give a TRACE or --scenario")
     if args.trace is not None and args.scenario is not None:
         raise ValueError("give a TRACE or --scenario, not both")
+    span = getattr(args, "span", None)
+    if span is not None:
+        if span <= 0:
+            raise ValueError(f"--span must be a positive number of seconds, got {span:g}")
+        if args.duration is not None or args.end is not None:
+            raise ValueError(
+                "--span fixes the window of trace time: give it without --duration or --end"
+            )
+        if args.trace is not None:
+            args = argparse.Namespace(**vars(args))  # the caller's namespace stays as given
+            args.end = (args.start or 0.0) + span
     tokenizer = load_tokenizer(args.model)
     builder = TextBuilder(tokenizer)
     if args.scenario is not None:
         duration = args.duration if args.duration is not None else 60.0
+        if span is not None:  # the scenario is made as long as the span, in its own time
+            duration = span + (args.start or 0.0)
         raw = build_scenario(
             args.scenario,
             pools_from_builder(builder),
@@ -169,7 +191,17 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
         note += f" (others off by at most {int(diff.max())} tokens; real lengths are reported)"
         print(f"replay: {note}", file=sys.stderr)
     endpoint = make_endpoint(args.endpoint, args.served_model, not args.no_ignore_eos)
-    plan = plan_from_trace(trace, endpoint, bodies.inputs, bodies.lengths, notes=(note,))
+    notes: tuple[str, ...] = (note,)
+    span_s = None
+    if span is not None:
+        span_s = span / args.rate_scale
+        notes += (
+            f"span: {span:g} s of trace time, {len(trace)} requests, replayed in "
+            f"{span_s:g} s at rate x1 (the same requests at every rate of a sweep)",
+        )
+    plan = plan_from_trace(
+        trace, endpoint, bodies.inputs, bodies.lengths, notes=notes, span_s=span_s
+    )
     warm = builder.texts([8, 32, 64, 16], seed=args.seed + 1)
     warmup = [endpoint.body(x, 4) for x in warm.inputs]
     return Traffic(trace, plan, endpoint, warmup, args.max_length)
@@ -201,4 +233,5 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "per-request timeout": f"{args.timeout:g} s",
         "seed": args.seed,
+        "span": "none" if getattr(args, "span", None) is None else f"{args.span:g} s of trace time",
     }

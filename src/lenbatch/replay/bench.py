@@ -30,8 +30,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from lenbatch.replay.driver import ReplayPlan, replay, summarize_replay
+from lenbatch.replay.driver import ReplayPlan, ReplayResult, replay, summarize_replay
 from lenbatch.replay.endpoints import Endpoint
+from lenbatch.replay.peers.external import (
+    OFFLINE_ENV,
+    ExternalPeer,
+    PeerContext,
+    PeerVenv,
+    peers_dir,
+)
 from lenbatch.replay.report import RunRecord, write_report
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "ServerProcess",
     "Target",
     "machine_description",
+    "prepare_target",
     "run_bench",
     "targets_for",
 ]
@@ -48,11 +56,20 @@ Predictor = Callable[[str, float], dict[str, Any] | None]  # (strategy, rate) ->
 
 @dataclass(frozen=True)
 class Target:
-    """A server to benchmark: a lenbatch strategy or a peer."""
+    """A server to benchmark: a lenbatch strategy or a peer.
+
+    A peer from another project (`external`) has no command line until `prepare_target`
+    has made its venv and asked it how to launch; then `argv`, `env`, `health_path` and
+    `info` (versions, flags, install record: for the report) are filled in.
+    """
 
     name: str
     kind: str  # "strategy" or "peer"
     argv: tuple[str, ...]  # command line; "{port}" is replaced by the port
+    env: tuple[tuple[str, str], ...] = ()  # added to the environment
+    health_path: str = "/health"
+    external: ExternalPeer | None = field(default=None, compare=False)
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def command(self, port: int) -> list[str]:
         """The command line for `port`."""
@@ -73,7 +90,7 @@ def targets_for(
 ) -> list[Target]:
     """Targets for the given strategies and peers, all with the same batch size and wait."""
     from lenbatch.config import Strategy
-    from lenbatch.replay.peers import PEERS
+    from lenbatch.replay.peers.registry import EXTERNAL_PEERS, PEERS, external_peer
 
     out = []
     for s in strategies:
@@ -85,13 +102,58 @@ def targets_for(
         )  # fmt: skip
         out.append(Target(s, "strategy", argv))
     for p in peers:
+        if p in EXTERNAL_PEERS:
+            out.append(Target(p, "peer", (), external=external_peer(p)))
+            continue
         if p not in PEERS:
-            raise ValueError(f"unknown peer {p!r}; choose from: {', '.join(PEERS)}")
+            known = ", ".join([*PEERS, *EXTERNAL_PEERS])
+            raise ValueError(f"unknown peer {p!r}; choose from: {known}")
         argv = (sys.executable, "-m", PEERS[p], "--model", model, "--port", "{port}")
         if p == "ray":
             argv += ("--max-batch", str(max_batch), "--max-wait-ms", f"{max_wait_ms:g}")
         out.append(Target(p, "peer", argv))
     return out
+
+
+def prepare_target(
+    target: Target,
+    *,
+    model: str,
+    endpoint: str,
+    max_batch: int,
+    log: Callable[[str], None] = print,
+    root: Path | None = None,
+) -> Target:
+    """The target ready to launch: for a peer from another project, its venv made (first use
+    only: minutes) and its launch command, environment and report record filled in."""
+    peer = target.external
+    if peer is None or target.argv:  # a lenbatch target, or one prepared already
+        return target
+    if endpoint not in peer.endpoints:
+        raise ValueError(
+            f"peer {target.name} serves {', '.join(peer.endpoints)}, not {endpoint} "
+            "(see --endpoint)"
+        )
+    venv = PeerVenv(peer.venv, root or peers_dir())
+    record = venv.ensure(log)
+    ctx = PeerContext(
+        model=model, endpoint=endpoint, max_batch=max_batch, python=venv.python, venv=venv.path
+    )
+    launch = peer.launch(ctx)
+    env = {**OFFLINE_ENV, **launch.env}
+    info = {
+        "versions": record.get("versions", {}),
+        "python": record.get("python"),
+        "requirements": record.get("requirements", []),
+        "uninstalled": record.get("uninstalled", []),
+        "install_s": record.get("install_s"),
+        "disk_mb": record.get("disk_mb"),
+        "env": env,
+        "notes": list(launch.notes),
+    }
+    return replace(
+        target, argv=launch.argv, env=tuple(env.items()), health_path=launch.health_path, info=info
+    )
 
 
 def free_port() -> int:
@@ -148,6 +210,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+        if target.external is not None:  # another project's venv: nothing of lenbatch's
+            for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+                env.pop(key, None)
+        env.update(dict(target.env))
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             target.command(port),
@@ -183,8 +249,9 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout_s: float = 180.0) -> float:
-        """Poll `/health` until 200; returns seconds waited. Raises if the process exits."""
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Poll the target's health path until 200; returns seconds waited. Raises if the
+        process exits."""
         t0 = time.monotonic()
         with httpx.Client(base_url=self.url, trust_env=False, timeout=5.0) as c:
             while time.monotonic() - t0 < timeout_s:
@@ -194,7 +261,7 @@ class ServerProcess:
                         f"ready; its log ends:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    if c.get("/health").status_code == 200:
+                    if c.get(self.target.health_path).status_code == 200:
                         return time.monotonic() - t0
                 time.sleep(0.25)
         raise RuntimeError(f"{self.target.name} not ready after {timeout_s:g} s")
@@ -240,6 +307,9 @@ class BenchConfig:
     predictor: Predictor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    model: str = "minilm"  # what peers from other projects are launched with
+    max_batch: int = 32
+    keep_server: bool = False  # start each target once for the whole rate sweep
 
 
 def machine_description() -> str:
@@ -284,6 +354,17 @@ def _scaled(plan: ReplayPlan, rate: float) -> ReplayPlan:
     return replace(plan, scheduled=plan.scheduled / rate, notes=(*plan.notes, f"rate x{rate:g}"))
 
 
+def _offered_rps(plan: ReplayPlan, rate: float) -> float | None:
+    """Requests per second the plan offers at `rate`: over its span when it has one (a fixed
+    stretch of trace time), else from the first to the last send."""
+    span = plan.span_s
+    if span is None and len(plan) > 1:
+        span = float(plan.scheduled[-1] - plan.scheduled[0])
+    if not span:
+        return None
+    return len(plan) * rate / span
+
+
 def _warm_up(url: str, endpoint: Endpoint, bodies: Sequence[bytes]) -> None:
     with httpx.Client(base_url=url, trust_env=False, timeout=120.0) as c:
         for b in bodies:
@@ -292,77 +373,111 @@ def _warm_up(url: str, endpoint: Endpoint, bodies: Sequence[bytes]) -> None:
 
 def run_one(cfg: BenchConfig, target: Target, rate: float) -> RunRecord:
     """Start `target`, replay the plan at `rate`, stop it; its record (saved as JSON too)."""
+    return run_on_one_server(cfg, target, [rate])[0]
+
+
+def run_on_one_server(cfg: BenchConfig, target: Target, rates: Sequence[float]) -> list[RunRecord]:
+    """Start `target` once, replay the plan at each rate in turn (warm-up once, first), stop
+    it; one record per rate (each saved as JSON too). Peak RSS is sampled per run, so a later
+    run's figure includes what the server kept from the earlier ones."""
     runs = cfg.report_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    tag = target.name if rate == 1.0 else f"{target.name}@x{rate:g}"
-    server = ServerProcess(target, free_port(), runs / f"{tag}.log")
+    tags = [target.name if rate == 1.0 else f"{target.name}@x{rate:g}" for rate in rates]
+    server = ServerProcess(target, free_port(), runs / f"{tags[0]}.log")
+    done: list[tuple[float, str, dict[str, Any], ReplayResult]] = []
     try:
         ready_s = server.wait_ready()
         _warm_up(server.url, cfg.endpoint, cfg.warmup)
-        cpu_before = server.cpu_seconds()
-        result = asyncio.run(
-            replay(
-                server.url,
-                _scaled(cfg.plan, rate),
-                cfg.endpoint,
-                clients=cfg.clients,
-                timeout_s=cfg.timeout_s,
-                max_in_flight=cfg.max_in_flight,
-                progress=cfg.progress,
+        for rate, tag in zip(rates, tags, strict=True):
+            server.peak_rss = 0
+            cpu_before = server.cpu_seconds()
+            result = asyncio.run(
+                replay(
+                    server.url,
+                    _scaled(cfg.plan, rate),
+                    cfg.endpoint,
+                    clients=cfg.clients,
+                    timeout_s=cfg.timeout_s,
+                    max_in_flight=cfg.max_in_flight,
+                    progress=cfg.progress,
+                )
             )
-        )
-        cpu_after = server.cpu_seconds()
+            cpu_after = server.cpu_seconds()
+            peak = max(server.peak_rss, _tree_rss(server.proc.pid))
+            summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
+            summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
+            summary["peak_memory_mb"] = peak / 2**20 if peak else None
+            summary["startup_s"] = ready_s
+            summary["server_started_for_this_run"] = len(rates) == 1
+            # The server's CPU time during the replay: the calibration's per-request CPU share.
+            summary["server_cpu"] = (
+                {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
+                if cpu_before is not None and cpu_after is not None
+                else None
+            )
+            summary["cpu_count"] = os.cpu_count()
+            summary["offered_rps"] = _offered_rps(cfg.plan, rate)
+            done.append((rate, tag, summary, result))
     finally:
         returncode = server.stop()
-    summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
-    summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
-    summary["peak_memory_mb"] = server.peak_rss / 2**20 if server.peak_rss else None
-    summary["startup_s"] = ready_s
-    # The server's CPU time during the replay: the calibration's per-request CPU share.
-    summary["server_cpu"] = (
-        {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
-        if cpu_before is not None and cpu_after is not None
-        else None
-    )
-    summary["cpu_count"] = os.cpu_count()
-    predicted = None
-    if cfg.predictor is not None and target.kind == "strategy":
-        predicted = cfg.predictor(target.name, rate)
-    record = RunRecord(target.name, target.kind, rate, summary, result, predicted)
-    (runs / f"{tag}.json").write_text(
-        json.dumps(
-            {
-                "name": target.name,
-                "kind": target.kind,
-                "rate": rate,
-                "command": target.command(server.port),
-                "pid": server.proc.pid,
-                "returncode": returncode,
-                "summary": summary,
-                "predicted": predicted,
-                "result": result.to_json(),
-            }
-        ),
-        encoding="utf-8",
-    )
-    return record
+    records = []
+    for rate, tag, summary, result in done:
+        predicted = None
+        if cfg.predictor is not None and target.kind == "strategy":
+            predicted = cfg.predictor(target.name, rate)
+        records.append(RunRecord(target.name, target.kind, rate, summary, result, predicted))
+        (runs / f"{tag}.json").write_text(
+            json.dumps(
+                {
+                    "name": target.name,
+                    "kind": target.kind,
+                    "rate": rate,
+                    "command": target.command(server.port),
+                    "env": dict(target.env),
+                    "peer": target.info or None,
+                    "pid": server.proc.pid,
+                    "returncode": returncode,
+                    "summary": summary,
+                    "predicted": predicted,
+                    "result": result.to_json(),
+                }
+            ),
+            encoding="utf-8",
+        )
+    return records
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
-    """Run every target at every rate, then write the report; returns its path."""
+    """Run every target at every rate, then write the report; returns its path. Peers from
+    other projects are installed (first use) and set up before anything is timed."""
+    targets = [
+        prepare_target(
+            t, model=cfg.model, endpoint=cfg.endpoint.name, max_batch=cfg.max_batch, log=log
+        )
+        for t in cfg.targets
+    ]
     records: list[RunRecord] = []
-    for rate in cfg.rates:
-        for target in cfg.targets:
-            log(f"bench: {target.name} at rate x{rate:g} ({len(cfg.plan)} requests)")
-            rec = run_one(cfg, target, rate)
+    if cfg.keep_server:  # one start per target, every rate against it
+        batches = [(t, list(cfg.rates)) for t in targets]
+    else:  # a fresh server for every run, rates outermost
+        batches = [(t, [rate]) for rate in cfg.rates for t in targets]
+    for target, rates in batches:
+        rates_text = ", ".join(f"x{r:g}" for r in rates)
+        log(f"bench: {target.name} at rate {rates_text} ({len(cfg.plan)} requests)")
+        for rec in run_on_one_server(cfg, target, rates):
             s = rec.summary
             log(
-                f"bench: {target.name}: p50 {s['p50_ms'] or float('nan'):.0f} ms, "
+                f"bench: {rec.label}: p50 {s['p50_ms'] or float('nan'):.0f} ms, "
                 f"p95 {s['p95_ms'] or float('nan'):.0f} ms, "
                 f"{s['real_tokens_per_s']:.0f} real tok/s, errors {s['error_rate']:.1%}"
             )
             records.append(rec)
+    order = {t.name: i for i, t in enumerate(targets)}
+    records.sort(key=lambda r: (cfg.rates.index(r.rate), order[r.name]))
     meta = dict(cfg.meta)
+    peers = {t.name: {**t.info, "command": list(t.argv)} for t in targets if t.info}
+    if peers:
+        meta["peer_setup"] = peers
     meta.setdefault("machine", machine_description())
     meta.setdefault("software", software_description())
     return write_report(cfg.report_dir, records, meta)

@@ -77,13 +77,25 @@ def corpus_units(source: str) -> tuple[tuple[str, str], ...]:
 
 
 def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a served model (alias such as `minilm`, or a local folder)."""
+    """The tokenizer of a served model (alias such as `minilm` or `smollm2`, a `.gguf` file, or
+    a local folder)."""
     from transformers import AutoTokenizer
 
     from lenbatch.runners import resolve_model
 
+    gguf = _gguf_ref(model)
+    if gguf is not None:  # a causal LM shipped as GGUF (SmolLM2): its tokenizer is inside
+        return AutoTokenizer.from_pretrained(gguf.folder, gguf_file=gguf.gguf_file)
     folder, _ = resolve_model(model)
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _gguf_ref(model: str) -> Any:
+    """The causal-LM reference of `model` when it is a GGUF file (or alias of one), else None."""
+    from lenbatch.runners.causal import resolve_causal_model
+
+    ref = resolve_causal_model(model)
+    return ref if ref is not None and ref.gguf_file is not None else None
 
 
 def model_max_length(model: str) -> int | None:
@@ -92,6 +104,8 @@ def model_max_length(model: str) -> int | None:
     from lenbatch.runners import resolve_model
     from lenbatch.runners.encoder import read_pooling
 
+    if _gguf_ref(model) is not None:
+        return None  # a causal LM: its limit is prompt plus output, set by its server
     folder, _ = resolve_model(model)
     _, _, st_max = read_pooling(folder)
     if st_max:

@@ -56,6 +56,7 @@ class ReplayPlan:
     bodies: list[bytes]
     output_lengths: IntArray | None = None
     notes: tuple[str, ...] = ()
+    span_s: float | None = None  # seconds the plan covers at rate x1 (`--span`), if fixed
 
     def __len__(self) -> int:
         return len(self.bodies)
@@ -69,9 +70,11 @@ def plan_from_trace(
     *,
     duration_s: float | None = None,
     notes: tuple[str, ...] = (),
+    span_s: float | None = None,
 ) -> ReplayPlan:
     """A plan from a mapped trace and its pre-built inputs (see `replay.bodies.TextBuilder`).
-    `duration_s` keeps only requests scheduled before it."""
+    `duration_s` keeps only requests scheduled before it; `span_s` is the stretch of time the
+    plan stands for (a fixed window of the trace), kept for offered-rate figures."""
     if trace.arrivals is None:
         raise ValueError("this trace has no timestamps; use a scenario to give it arrivals")
     if len(inputs) != len(trace):
@@ -92,6 +95,7 @@ def plan_from_trace(
         bodies=bodies,
         output_lengths=outs,
         notes=(*trace.notes, *notes, *extra),
+        span_s=span_s,
     )
 
 

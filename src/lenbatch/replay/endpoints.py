@@ -131,7 +131,9 @@ class CompletionsEndpoint:
 
     def body(self, payload: str | list[int], output_tokens: int | None) -> bytes:
         """Streaming completion request; greedy so runs are repeatable. `ignore_eos` (as in
-        vLLM and lenbatch) makes the server generate exactly the trace's output length."""
+        vLLM and lenbatch) makes the server generate exactly the trace's output length; it
+        comes with `min_tokens` = `max_tokens`, which does the same on servers without
+        `ignore_eos` (llama-cpp-python's)."""
         data: dict[str, Any] = {
             "prompt": payload,
             "max_tokens": int(output_tokens or self.default_max_tokens),
@@ -141,6 +143,7 @@ class CompletionsEndpoint:
         }
         if self.ignore_eos:
             data["ignore_eos"] = True
+            data["min_tokens"] = data["max_tokens"]
         if self.model is not None:
             data["model"] = self.model
         return json.dumps(data, separators=(",", ":")).encode()

@@ -20,7 +20,19 @@ import numpy as np
 from lenbatch.plan.summary import OUTCOME_OK
 from lenbatch.replay.driver import ReplayResult
 
-__all__ = ["RunRecord", "fmt", "ratio", "render_markdown", "write_plots", "write_report"]
+__all__ = [
+    "SLO_P95_MS",
+    "RunRecord",
+    "fmt",
+    "headline_rows",
+    "ratio",
+    "render_markdown",
+    "write_plots",
+    "write_report",
+]
+
+SLO_P95_MS = 1000.0  # the headline's latency bound
+MAX_ERROR_RATE = 0.01  # a rate "meets" the bound only with at most this share of failures
 
 
 @dataclass
@@ -98,6 +110,126 @@ def _main_table(records: Sequence[RunRecord], peer: str | None) -> list[str]:
             f"| {_x(ratio(s['p95_ms'], ps.get('p95_ms')))} |"
         )
     return lines
+
+
+def headline_rows(
+    records: Sequence[RunRecord], oracle: dict[str, dict[str, float]] | None = None
+) -> list[dict[str, Any]]:
+    """One row per server over all its rates: the highest rate whose P95 is within
+    `SLO_P95_MS` (with at most `MAX_ERROR_RATE` failed) and its real tokens/s, P95 at the
+    lightest rate, the most real tokens/s at any rate (saturation, when the sweep goes past
+    it), peak RSS over the runs, and the oracle's real tokens/s with the ratio to it."""
+    rows = []
+    for name in dict.fromkeys(r.name for r in records):
+        runs = sorted((r for r in records if r.name == name), key=lambda r: r.rate)
+        ok = [
+            r
+            for r in runs
+            if r.summary.get("p95_ms") is not None
+            and r.summary["p95_ms"] <= SLO_P95_MS
+            and (r.summary.get("error_rate") or 0.0) <= MAX_ERROR_RATE
+        ]
+        best = ok[-1] if ok else None
+        top = max(runs, key=lambda r: r.summary.get("real_tokens_per_s") or 0.0)
+        peaks = [r.summary.get("peak_memory_mb") for r in runs]
+        orc = (oracle or {}).get(name)
+        sustained = top.summary.get("real_tokens_per_s")
+        rows.append(
+            {
+                "name": name,
+                "kind": runs[0].kind,
+                "slo_rate": best.rate if best else None,
+                "slo_offered_rps": best.summary.get("offered_rps") if best else None,
+                "slo_real_tokens_per_s": best.summary.get("real_tokens_per_s") if best else None,
+                "light_rate": runs[0].rate,
+                "light_p95_ms": runs[0].summary.get("p95_ms"),
+                "saturation_rate": top.rate,
+                "saturation_real_tokens_per_s": sustained,
+                "saturation_error_rate": top.summary.get("error_rate"),
+                "peak_memory_mb": max((x for x in peaks if x is not None), default=None),
+                "oracle_real_tokens_per_s": orc.get("real_tokens_per_s") if orc else None,
+                "of_oracle": ratio(sustained, orc.get("real_tokens_per_s")) if orc else None,
+            }
+        )
+    return rows
+
+
+def _headline_table(records: Sequence[RunRecord], meta: dict[str, Any]) -> list[str]:
+    oracle = meta.get("oracle")
+    lines = [
+        f"| server | highest rate with P95 ≤ {SLO_P95_MS / 1000:g} s | its real tok/s | "
+        "light-load P95 ms | real tok/s at saturation | peak RSS MB | oracle real tok/s | "
+        "of oracle |",
+        "|" + "---|" * 8,
+    ]
+    rows = headline_rows(records, oracle)
+    for h in rows:
+        slo = "none in this sweep"
+        if h["slo_rate"] is not None:
+            slo = f"x{h['slo_rate']:g}"
+            if h["slo_offered_rps"] is not None:
+                slo += f" ({h['slo_offered_rps']:.1f} req/s)"
+        sat = fmt(h["saturation_real_tokens_per_s"], 0)
+        if h["saturation_real_tokens_per_s"] is not None:
+            sat += f" (x{h['saturation_rate']:g}"
+            if h["saturation_error_rate"]:
+                sat += f", {_pct(h['saturation_error_rate'])} failed"
+            sat += ")"
+        lines.append(
+            f"| {h['name']} | {slo} | {fmt(h['slo_real_tokens_per_s'], 0)} "
+            f"| {fmt(h['light_p95_ms'])} (x{h['light_rate']:g}) | {sat} "
+            f"| {fmt(h['peak_memory_mb'], 0)} | {fmt(h['oracle_real_tokens_per_s'], 0)} "
+            f"| {_pct(h['of_oracle'])} |"
+        )
+    lines += [
+        "",
+        f"Highest rate: the largest multiplier of the sweep at which P95 ≤ {SLO_P95_MS:g} ms "
+        f"with at most {_pct(MAX_ERROR_RATE)} of requests failed (req/s offered in brackets). "
+        "Saturation: the most real (unpadded) tokens/s the server answered at any rate of the "
+        "sweep, the rate in brackets; it is the server's capacity only if the sweep went past "
+        "it. Peak RSS: the largest over its runs.",
+    ]
+    if meta.get("oracle_note"):
+        lines += ["", str(meta["oracle_note"])]
+    over = [h["name"] for h in rows if h["kind"] == "strategy" and (h["of_oracle"] or 0) > 1]
+    if over:
+        lines += [
+            "",
+            f"**The cost model is slower than this machine**: {', '.join(over)} served more "
+            "than the oracle it bounds, so the oracle column understates what this CPU can "
+            "do. Profile the model here (`lenbatch profile`) and re-run for a meaningful ratio.",
+        ]
+    elif not oracle:
+        lines += ["", "No cost model given (`--cost FILE`): no oracle column."]
+    return lines
+
+
+def _peer_section(meta: dict[str, Any]) -> list[str]:
+    setup = meta.get("peer_setup") or {}
+    if not setup:
+        return []
+    out = ["## Peers from other projects", ""]
+    for name, info in setup.items():
+        versions = ", ".join(f"{k} {v}" for k, v in (info.get("versions") or {}).items())
+        install = "–"
+        if info.get("install_s") is not None:
+            install = f"{info['install_s']:g} s, {fmt(info.get('disk_mb'), 0)} MB on disk"
+        out += [
+            f"**{name}**: {versions or 'versions unknown'} (Python {info.get('python') or '?'})",
+            "",
+            f"- installed with: `pip install {' '.join(info.get('requirements') or [])}`"
+            + (
+                f", then removed {', '.join(info['uninstalled'])}"
+                if info.get("uninstalled")
+                else ""
+            ),
+            f"- install: {install}",
+            f"- command: `{' '.join(info.get('command') or [])}`",
+            "- environment: " + ", ".join(f"`{k}={v}`" for k, v in (info.get("env") or {}).items()),
+        ]
+        out += [f"- {note}" for note in info.get("notes") or []]
+        out.append("")
+    return out
 
 
 def _prediction_table(records: Sequence[RunRecord]) -> list[str]:
@@ -200,7 +332,19 @@ def render_markdown(
         md.append(f"- {note}")
     for key, value in (meta.get("settings") or {}).items():
         md.append(f"- {key}: {value}")
-    md += ["", "## Results", ""]
+    md += ["", "## Headline", ""]
+    md += _headline_table(records, meta)
+    md += [""]
+    stream = _streaming_table(records)
+    if stream:
+        md += [
+            "Completions, per rate (a fixed load): time to first token, inter-token latency "
+            "and output tokens/s.",
+            "",
+            *stream,
+            "",
+        ]
+    md += ["## Results", ""]
     md += _main_table(records, peer)
     md += [
         "",
@@ -214,9 +358,7 @@ def render_markdown(
     md += ["## Simulator prediction vs live", ""]
     md += pred or [str(meta.get("prediction_note", "No predictions were given for this run."))]
     md += [""]
-    stream = _streaming_table(records)
-    if stream:
-        md += ["## Streaming (completions)", "", *stream, ""]
+    md += _peer_section(meta)
     md += ["## Load driver", "", *_driver_table(records), ""]
     md += [
         "The driver runs on the same CPUs as the server; its CPU share and how late it sent "

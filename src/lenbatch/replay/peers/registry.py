@@ -1,7 +1,30 @@
-"""The peers `lenbatch bench --peer NAME` can launch: name -> module run with `python -m`."""
+"""The peers `lenbatch bench --peer NAME` can launch.
+
+`PEERS`: name -> module of this package run with `python -m` in lenbatch's own venv.
+`EXTERNAL_PEERS`: name -> `module:attribute` of an `ExternalPeer` (another project's server,
+in its own venv under `.venv-peers/`; see `peers.external`).
+"""
 
 from __future__ import annotations
 
-__all__ = ["PEERS"]
+import importlib
+
+from lenbatch.replay.peers.external import ExternalPeer
+
+__all__ = ["EXTERNAL_PEERS", "PEERS", "external_peer"]
 
 PEERS = {"naive": "lenbatch.replay.peers.naive", "ray": "lenbatch.replay.peers.ray_serve"}
+
+EXTERNAL_PEERS = {
+    "infinity": "lenbatch.replay.peers.infinity:INFINITY",
+    "vllm": "lenbatch.replay.peers.vllm:VLLM",
+    "vllm-allcores": "lenbatch.replay.peers.vllm:VLLM_ALL_CORES",
+    "llamacpp": "lenbatch.replay.peers.llamacpp:LLAMACPP",
+}
+
+
+def external_peer(name: str) -> ExternalPeer:
+    """The `ExternalPeer` registered as `name` (imported on demand)."""
+    module, attr = EXTERNAL_PEERS[name].split(":")
+    peer: ExternalPeer = getattr(importlib.import_module(module), attr)
+    return peer
