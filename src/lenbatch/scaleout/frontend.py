@@ -41,7 +41,7 @@ from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.serving.lifecycle import EngineState, wait_set
 from lenbatch.serving.metrics import percentile
 
-__all__ = ["FreshFigures", "Frontend", "RelayedError", "merge_expositions"]
+__all__ = ["FreshFigures", "Frontend", "RelayedError", "aggregate_replicas", "merge_expositions"]
 
 log = logging.getLogger("lenbatch.scaleout.frontend")
 
@@ -69,6 +69,27 @@ def _is_replica_failure(exc: BaseException) -> bool:
     from ray import exceptions as rex
 
     return isinstance(exc, rex.RayActorError | rex.ActorUnavailableError | rex.ActorDiedError)
+
+
+def _own_call_id() -> None:
+    """Give the handle calls made from the current task their own internal request id.
+
+    Ray gives every call made while handling one HTTP request the proxy's internal request id,
+    and its base request router keys pending calls by that id: of two calls in flight at once
+    (the groups of a multi-input request, or the figures of two replicas) one would never be
+    sent. Ray's default router does not notice (its FIFO mixin hands replicas to the oldest
+    pending call, whatever its id); a router that places each call on purpose does. Each call
+    runs in its own task (so its own copy of the context): setting the id there is local to it.
+    """
+    import dataclasses
+    import uuid
+
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    )
 
 
 class Frontend:
@@ -291,6 +312,7 @@ class Frontend:
                 self.retries += 1
                 self._retries.inc()
                 log.warning("replica died with a call in flight; sending it again (%d)", attempt)
+            _own_call_id()
             try:
                 out = await self.handle.embed.remote(ids, truncate, timeout, group=owner)
             except Exception as exc:
@@ -317,6 +339,7 @@ class Frontend:
         replicas = self.board.replicas()
 
         async def one(rid: str) -> tuple[str, dict[str, Any] | None, bytes]:
+            _own_call_id()
             try:
                 stats, text = await asyncio.wait_for(
                     self.handle.figures.remote(replica=rid), _CONTROL_TIMEOUT_S
@@ -342,7 +365,7 @@ class Frontend:
         """Aggregated figures (sums over replicas; latency as the ingress measured it), each
         replica's own, the length ranges and the routing counters."""
         reachable = [r for r in self._per_replica if not r.get("unreachable")]
-        out = _aggregate(reachable)
+        out = aggregate_replicas(reachable)
         lat = list(self._latencies)
         out.update(
             {
@@ -383,7 +406,7 @@ class Frontend:
         return generate_latest(self.registry) + merge_expositions(self._expositions)
 
 
-def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate_replicas(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Sum the replicas' counters into one engine-shaped summary (same bucket labels, since
     every replica runs the same configuration)."""
     buckets: dict[str, dict[str, Any]] = {}
