@@ -7,15 +7,15 @@
 # into the tables of bench/results/ray_scaleout.md. All three read the same configuration
 # (configs/minilm-azure-conv.toml: the peers through LENBATCH_CONFIG).
 #
-#   bench/ray_scaleout.sh                       # SWEEP=3,5,7 DURATION=30
-#   SWEEP=7 OUT=/tmp/x bench/ray_scaleout.sh    # one more rate into another folder
+#   bench/ray_scaleout.sh                                  # SWEEP=3,5,7 DURATION=120
+#   SWEEP=7 OUT=bench/results/ray-scaleout-x7 bench/ray_scaleout.sh   # a rate on its own
 #
 # Needs the Ray extra (make install does it). Run it on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-1}
 SWEEP=${SWEEP:-3,5,7}
-DURATION=${DURATION:-30}
+DURATION=${DURATION:-120}  # seconds of trace at x1: ~550 requests, replayed at each rate
 START=${START:-600}
 CONFIG=${CONFIG:-configs/minilm-azure-conv.toml}
 OUT=${OUT:-bench/results/ray-scaleout}

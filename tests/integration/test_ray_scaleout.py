@@ -45,9 +45,9 @@ def ray_app() -> Iterator[str]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     from ray import serve
 
-    from lenbatch.scaleout.app import APP_NAME, RayOptions, build_app
+    from lenbatch.scaleout.app import APP_NAME, RayOptions, build_app, init_local_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    init_local_ray(num_cpus=2)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

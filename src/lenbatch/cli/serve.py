@@ -103,6 +103,12 @@ def register(sub: Any) -> None:
         "Ray's default policy, power of two choices (for comparison)",
     )
     r.add_argument(
+        "--ray-groups",
+        type=int,
+        help="--ray: length ranges the replicas are split into (default: one per replica; "
+        "fewer gives each range several replicas)",
+    )
+    r.add_argument(
         "--replica-threads",
         type=int,
         default=1,
@@ -210,7 +216,10 @@ def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
     from lenbatch.scaleout.app import RayOptions, run
 
     options = RayOptions(
-        replicas=args.replicas, routing=args.ray_routing, threads=args.replica_threads
+        replicas=args.replicas,
+        groups=args.ray_groups,
+        routing=args.ray_routing,
+        threads=args.replica_threads,
     )
     return run(settings, options)
 

@@ -164,8 +164,8 @@ class LengthRanges:
         groups: int,
         *,
         window: int = 4096,
-        check_every: int = 256,
-        min_sample: int = 256,
+        check_every: int = 128,
+        min_sample: int = 128,
         drift: float = 0.25,
         tolerance: float = 0.1,
     ) -> None:

@@ -15,13 +15,23 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from lenbatch.config import Settings
 
-__all__ = ["APP_NAME", "ENGINES", "Ingress", "RayOptions", "build_app", "run"]
+__all__ = [
+    "APP_NAME",
+    "ENGINES",
+    "Ingress",
+    "RayOptions",
+    "app_builder",
+    "build_app",
+    "init_local_ray",
+    "run",
+]
 
 log = logging.getLogger("lenbatch.scaleout")
 
@@ -34,6 +44,7 @@ class RayOptions:
     """How the app is laid out on Ray."""
 
     replicas: int = 2
+    groups: int | None = None  # length ranges; None: one per replica
     routing: str = "length"  # "length" (LengthRangeRouter) or "pow2" (Ray's default policy)
     threads: int = 1  # torch threads and Ray CPUs per engine replica
     spill_at: int = 64  # calls in flight on every owner before a call spills
@@ -114,8 +125,14 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
 
     if options.routing not in ("length", "pow2"):
         raise ValueError(f"routing must be 'length' or 'pow2', got {options.routing!r}")
+    groups = options.groups or options.replicas
+    if not 1 <= groups <= options.replicas:
+        raise ValueError(f"groups must be in [1, replicas={options.replicas}], got {groups}")
     payload = settings.model_dump(mode="json")
     drain_s = settings.server.drain_timeout_s
+    # Ray Serve logs every call of every replica at INFO; follow lenbatch's log level instead.
+    level = settings.server.log_level.upper()
+    logging_config = {"log_level": level, "enable_access_log": level in ("DEBUG", "INFO")}
     engines = serve.deployment(
         EngineReplica,
         name=ENGINES,
@@ -124,11 +141,12 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
         ray_actor_options={"num_cpus": options.threads},
         graceful_shutdown_timeout_s=drain_s + 5,
         health_check_period_s=2.0,
+        logging_config=logging_config,
         request_router_config=RequestRouterConfig(
             request_router_class=LengthRangeRouter,
             request_router_kwargs={
                 "board": ENGINES,
-                "groups": options.replicas,
+                "groups": groups,
                 "policy": options.routing,
                 "spill_at": options.spill_at,
             },
@@ -140,9 +158,53 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
         num_replicas=1,
         max_ongoing_requests=8192,
         ray_actor_options={"num_cpus": 0},
+        logging_config=logging_config,
         graceful_shutdown_timeout_s=drain_s + 5,
     )
-    return ingress.bind(engines, payload, options.routing, options.replicas)
+    return ingress.bind(engines, payload, options.routing, groups)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application for a Serve config file or a KubeRay `RayService`
+    (`import_path: lenbatch.scaleout.app:app_builder`). `args`: `config` (a lenbatch config
+    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`."""
+    from lenbatch.config import load_settings
+
+    settings = load_settings(args.get("config"), os.environ)
+    options = RayOptions(
+        replicas=int(args.get("replicas", 2)),
+        groups=int(args["groups"]) if args.get("groups") else None,
+        routing=str(args.get("routing", "length")),
+        threads=int(args.get("threads", 1)),
+    )
+    return build_app(settings, options)
+
+
+def init_local_ray(num_cpus: int) -> None:
+    """Start a single-node Ray bound to 127.0.0.1 only, without dashboard or usage stats.
+
+    Ray turns a loopback `_node_ip_address` into the host's reachable address, except where it
+    runs without multi-node clusters (its macOS/Windows mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    =0`): that mode is switched on here, for the processes Ray starts (the variable) and for
+    this one (the constant, read when `ray` was imported). The API server Ray always starts
+    (usage-stats module only) gets a free loopback port instead of the default 8265.
+    """
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        api_port = int(s.getsockname()[1])
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        dashboard_port=api_port,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
 
 
 def run(settings: Settings, options: RayOptions) -> int:
@@ -156,12 +218,7 @@ def run(settings: Settings, options: RayOptions) -> int:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, options.replicas * options.threads),
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
+        init_local_ray(max(os.cpu_count() or 1, options.replicas * options.threads))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
         signal.signal(sig, lambda *_: stop.set())
@@ -176,7 +233,7 @@ def run(settings: Settings, options: RayOptions) -> int:
         )
         stop.wait()
         log.info("shutdown requested: draining")
-        left = handle.drain.remote().result()
+        left = handle.drain.remote().result(timeout_s=settings.server.drain_timeout_s + 30)
         if left:
             log.warning("%d requests still open after the drain timeout", left)
     finally:
