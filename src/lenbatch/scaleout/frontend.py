@@ -287,7 +287,10 @@ class Frontend:
         self._idle.clear()
         try:
             parts = await asyncio.gather(
-                *(self._call(g, [ids[i] for i in idx], cut, timeout) for g, idx in by_group.items())
+                *(
+                    self._call(g, [ids[i] for i in idx], cut, timeout, priority)
+                    for g, idx in by_group.items()
+                )
             )
         finally:
             self._unanswered -= 1
@@ -303,7 +306,12 @@ class Frontend:
         return Embedded(vectors, tokens)
 
     async def _call(
-        self, group: int, ids: list[list[int]], truncate: bool, timeout: float | None
+        self,
+        group: int,
+        ids: list[list[int]],
+        truncate: bool,
+        timeout: float | None,
+        priority: int,
     ) -> tuple[list[Any], int]:
         owner = group if self.routing == "length" else None
         last: BaseException | None = None
@@ -314,7 +322,7 @@ class Frontend:
                 log.warning("replica died with a call in flight; sending it again (%d)", attempt)
             _own_call_id()
             try:
-                out = await self.handle.embed.remote(ids, truncate, timeout, group=owner)
+                out = await self.handle.embed.remote(ids, truncate, timeout, priority, group=owner)
             except Exception as exc:
                 if not _is_replica_failure(exc):
                     raise

@@ -79,11 +79,18 @@ class EngineReplica:
         }
 
     async def embed(
-        self, ids: list[list[int]], truncate: bool, timeout: float | None, **_: Any
+        self,
+        ids: list[list[int]],
+        truncate: bool,
+        timeout: float | None,
+        priority: int = 0,
+        **_: Any,
     ) -> dict[str, Any]:
         """Vectors of token-id arrays, in order, with the tokens embedded; or the error."""
         try:
-            done = await self.engine.embed_with_usage(ids, truncate=truncate, timeout=timeout)
+            done = await self.engine.embed_with_usage(
+                ids, truncate=truncate, timeout=timeout, priority=priority
+            )
         except LenbatchError as err:
             return {"error": error_fields(err), "replica": self.replica_id}
         return {"vectors": done.vectors, "tokens": done.prompt_tokens, "replica": self.replica_id}
