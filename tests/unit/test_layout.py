@@ -4,7 +4,7 @@ Floors, from the bottom; a module imports lenbatch modules only from its own fol
 lower floor (`embed` and `generate` share a floor and never import each other):
 
     config.py (0) < core/ (1) < runners/ (2) < serving/ (3) < embed/, generate/ (4)
-    < plan/ (5) < replay/ (6) < cli/ (7)
+    < plan/, scaleout/ (5) < replay/ (6) < cli/ (7)
 
 `lenbatch/__init__.py` re-exports public names and sits above every floor, so no module inside
 the package imports the root package itself. Every import counts: inside functions and under
@@ -32,6 +32,7 @@ FLOORS: dict[str, int] = {
     "embed": 4,
     "generate": 4,
     "plan": 5,
+    "scaleout": 5,  # the Ray Serve app: embed engines behind a length-aware router
     "replay": 6,
     "cli": 7,
     ROOT: 8,

@@ -45,8 +45,9 @@ def register(sub: Any) -> None:
         type=_names,
         default=[],
         metavar="P1,P2",
-        help="peers to run as well: naive, ray (needs `pip install 'lenbatch[ray]'`), "
-        "infinity, vllm, vllm-allcores (vLLM with its model threads on every core), llamacpp "
+        help="peers to run as well: naive, ray (Ray Serve @serve.batch), ray-lenbatch and "
+        "ray-lenbatch-p2c (lenbatch replicas on Ray Serve, length-aware / Ray's default "
+        "routing; ray peers need `pip install 'lenbatch[ray]'`), infinity, vllm, vllm-allcores (vLLM with its model threads on every core), llamacpp "
         "(completions); infinity, vllm and llamacpp are installed on first use into "
         ".venv-peers/NAME (minutes, ~1-4 GB each)",
     )

@@ -100,6 +100,33 @@ def register(sub: Any) -> None:
         "warn at start-up when it was measured on another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve N lenbatch engine replicas behind a length-aware router on Ray Serve: a "
+        "local Ray on 127.0.0.1, or the cluster at RAY_ADDRESS (embedding models)",
+    )
+    r.add_argument("--replicas", type=int, default=2, help="--ray: engine replicas (default 2)")
+    r.add_argument(
+        "--ray-routing",
+        choices=["length", "pow2"],
+        default="length",
+        help="--ray: route each input to the replica owning its length range (default), or "
+        "Ray's default policy, power of two choices (for comparison)",
+    )
+    r.add_argument(
+        "--ray-groups",
+        type=int,
+        help="--ray: length ranges the replicas are split into (default: one per replica; "
+        "fewer gives each range several replicas)",
+    )
+    r.add_argument(
+        "--replica-threads",
+        type=int,
+        default=1,
+        help="--ray: torch threads and Ray CPUs per replica (default 1)",
+    )
     p.set_defaults(run=run)
 
 
@@ -148,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.serving.lengthlog import LengthLog
 
     m = settings.model
+    if getattr(args, "ray", False):
+        return _run_ray(args, settings)
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
     if causal is not None:
@@ -190,6 +219,32 @@ def run(args: argparse.Namespace) -> int:
     log.info(engine.describe())
     serve(engine, settings)
     return 0
+
+
+def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
+    """`--ray`: the Ray Serve app (lenbatch.scaleout) with the same settings."""
+    from lenbatch.runners.causal import resolve_causal_model
+
+    if resolve_causal_model(settings.model.name) is not None:
+        log.error("--ray serves embedding models only for now; serve causal LMs without --ray")
+        return 2
+    if args.replicas < 1 or args.replica_threads < 1:
+        log.error("--replicas and --replica-threads must be at least 1")
+        return 2
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        log.error("--ray needs Ray Serve: pip install 'lenbatch[ray]'")
+        return 2
+    from lenbatch.scaleout.app import RayOptions, run
+
+    options = RayOptions(
+        replicas=args.replicas,
+        groups=args.ray_groups,
+        routing=args.ray_routing,
+        threads=args.replica_threads,
+    )
+    return run(settings, options)
 
 
 def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:

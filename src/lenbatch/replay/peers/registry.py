@@ -13,7 +13,13 @@ from lenbatch.replay.peers.external import ExternalPeer
 
 __all__ = ["EXTERNAL_PEERS", "PEERS", "external_peer"]
 
-PEERS = {"naive": "lenbatch.replay.peers.naive", "ray": "lenbatch.replay.peers.ray_serve"}
+PEERS = {
+    "naive": "lenbatch.replay.peers.naive",
+    "ray": "lenbatch.replay.peers.ray_serve",
+    # lenbatch's own Ray Serve app (lenbatch.scaleout): length-aware / Ray's default routing.
+    "ray-lenbatch": "lenbatch.replay.peers.ray_lenbatch",
+    "ray-lenbatch-p2c": "lenbatch.replay.peers.ray_lenbatch_p2c",
+}
 
 EXTERNAL_PEERS = {
     "infinity": "lenbatch.replay.peers.infinity:INFINITY",

@@ -1,0 +1,247 @@
+"""The Ray Serve application: an ingress and N lenbatch engine replicas, and how to run it.
+
+    HTTP ─► Ray's proxy ─► Ingress (1 replica: tokenize, length ranges, OpenAI routes)
+                              └─ handle, LengthRangeRouter ─► EngineReplica × N (one engine each)
+
+`build_app` binds the two deployments; `run` starts (or joins) Ray, deploys, prints where it
+serves and, on SIGTERM or Ctrl-C, drains (the ingress refuses new requests and waits for the
+admitted ones, then every replica's engine drains as Ray stops it) before it shuts down.
+Ray stays on the addresses it is given: a local Ray binds 127.0.0.1, without dashboard or usage
+statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from lenbatch.config import Settings
+
+__all__ = [
+    "APP_NAME",
+    "ENGINES",
+    "Ingress",
+    "RayOptions",
+    "app_builder",
+    "build_app",
+    "init_local_ray",
+    "run",
+]
+
+log = logging.getLogger("lenbatch.scaleout")
+
+APP_NAME = "lenbatch"
+ENGINES = "LenbatchEngine"  # the engine deployment's name; its routing board has this key
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the app is laid out on Ray."""
+
+    replicas: int = 2
+    groups: int | None = None  # length ranges; None: one per replica
+    routing: str = "length"  # "length" (LengthRangeRouter) or "pow2" (Ray's default policy)
+    threads: int = 1  # torch threads and Ray CPUs per engine replica
+    spill_at: int = 64  # calls in flight on every owner before a call spills
+    max_ongoing: int = 1024  # per engine replica (Ray's default of 5 would cap batches at 5)
+
+
+class Ingress:
+    """The HTTP ingress deployment: lenbatch's embeddings app over a `Frontend`."""
+
+    # Ray Serve awaits an async constructor (it asks a replica for the model's facts).
+    async def __init__(  # type: ignore[misc]
+        self, engines: Any, settings: dict[str, Any], routing: str, groups: int
+    ) -> None:
+        from lenbatch.runners import load_runner
+        from lenbatch.runners.base import ModelInfo
+        from lenbatch.scaleout.board import board_for
+        from lenbatch.scaleout.frontend import Frontend
+
+        self.settings = Settings.model_validate(settings)
+        m = self.settings.model
+        # The ingress only tokenizes: one thread, and the same tokenizer as the replicas.
+        tokenizer = load_runner(m.name, device="cpu", max_length=m.max_length, torch_threads=1)
+        facts = await engines.info.remote()
+        info = ModelInfo(
+            name=facts["name"],
+            max_length=facts["max_length"],
+            pad_token_id=tokenizer.info.pad_token_id,
+            padding_side=tokenizer.info.padding_side,
+            needs_position_ids=tokenizer.info.needs_position_ids,
+            vocab_size=facts["vocab_size"],
+            dim=facts["dim"],
+        )
+        self.frontend = Frontend(
+            engines,
+            board_for(ENGINES, groups),
+            tokenizer,
+            info,
+            facts["boundaries"],
+            routing=routing,
+            default_truncate=m.truncate,
+            request_timeout=self.settings.admission.request_timeout_s,
+        )
+        log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from typing import cast
+
+        from lenbatch.embed.api import create_app
+        from lenbatch.embed.engine import Engine
+        from lenbatch.scaleout.frontend import FreshFigures
+
+        # create_app needs what a Frontend has: info, embed_with_usage and the Servable
+        # lifecycle (it is the single server's app, unchanged).
+        app = create_app(cast("Engine", self.frontend), self.settings)
+        app.add_middleware(FreshFigures, frontend=self.frontend)
+        return app
+
+    async def drain(self, timeout: float | None = None) -> int:
+        """Refuse new requests and wait for the admitted ones; returns how many were left."""
+        await self.frontend.drain(
+            self.settings.server.drain_timeout_s if timeout is None else timeout
+        )
+        return self.frontend.unanswered
+
+    async def routing(self) -> dict[str, Any]:
+        """The routing counters and every replica's figures (as `/stats`)."""
+        await self.frontend.refresh()
+        return self.frontend.stats()
+
+
+def build_app(settings: Settings, options: RayOptions) -> Any:
+    """The bound Ray Serve application (ingress over `options.replicas` engine replicas)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from lenbatch.scaleout.replica import EngineReplica
+    from lenbatch.scaleout.router import LengthRangeRouter
+
+    if options.routing not in ("length", "pow2"):
+        raise ValueError(f"routing must be 'length' or 'pow2', got {options.routing!r}")
+    groups = options.groups or options.replicas
+    if not 1 <= groups <= options.replicas:
+        raise ValueError(f"groups must be in [1, replicas={options.replicas}], got {groups}")
+    payload = settings.model_dump(mode="json")
+    drain_s = settings.server.drain_timeout_s
+    # Ray Serve logs every call of every replica at INFO; follow lenbatch's log level instead.
+    level = settings.server.log_level.upper()
+    logging_config = {"log_level": level, "enable_access_log": level in ("DEBUG", "INFO")}
+    engines = serve.deployment(
+        EngineReplica,
+        name=ENGINES,
+        num_replicas=options.replicas,
+        max_ongoing_requests=options.max_ongoing,
+        ray_actor_options={"num_cpus": options.threads},
+        graceful_shutdown_timeout_s=drain_s + 5,
+        health_check_period_s=2.0,
+        logging_config=logging_config,
+        request_router_config=RequestRouterConfig(
+            request_router_class=LengthRangeRouter,
+            request_router_kwargs={
+                "board": ENGINES,
+                "groups": groups,
+                "policy": options.routing,
+                "spill_at": options.spill_at,
+            },
+        ),
+    ).bind(payload, options.threads)
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name="LenbatchIngress",
+        num_replicas=1,
+        max_ongoing_requests=8192,
+        ray_actor_options={"num_cpus": 0},
+        logging_config=logging_config,
+        graceful_shutdown_timeout_s=drain_s + 5,
+    )
+    return ingress.bind(engines, payload, options.routing, groups)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application for a Serve config file or a KubeRay `RayService`
+    (`import_path: lenbatch.scaleout.app:app_builder`). `args`: `config` (a lenbatch config
+    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`."""
+    from lenbatch.config import load_settings
+
+    settings = load_settings(args.get("config"), os.environ)
+    options = RayOptions(
+        replicas=int(args.get("replicas", 2)),
+        groups=int(args["groups"]) if args.get("groups") else None,
+        routing=str(args.get("routing", "length")),
+        threads=int(args.get("threads", 1)),
+    )
+    return build_app(settings, options)
+
+
+def init_local_ray(num_cpus: int) -> None:
+    """Start a single-node Ray bound to 127.0.0.1 only, without dashboard or usage stats.
+
+    Ray turns a loopback `_node_ip_address` into the host's reachable address, except where it
+    runs without multi-node clusters (its macOS/Windows mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    =0`): that mode is switched on here, for the processes Ray starts (the variable) and for
+    this one (the constant, read when `ray` was imported). The API server Ray always starts
+    (usage-stats module only) gets a free loopback port instead of the default 8265.
+    """
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        api_port = int(s.getsockname()[1])
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        dashboard_port=api_port,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+
+
+def run(settings: Settings, options: RayOptions) -> int:
+    """Start a local Ray on 127.0.0.1 (or join `RAY_ADDRESS`), deploy, serve until SIGTERM or
+    Ctrl-C, drain, and stop what was started."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        init_local_ray(max(os.cpu_count() or 1, options.replicas * options.threads))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
+        signal.signal(sig, lambda *_: stop.set())
+    host, port = settings.server.host, settings.server.port
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        handle = serve.run(build_app(settings, options), name=APP_NAME, route_prefix="/")
+        print(
+            f"lenbatch on Ray Serve: http://{host}:{port} ({options.replicas} engine replicas, "
+            f"routing {options.routing}; Ray at {address or 'local 127.0.0.1'})",
+            flush=True,
+        )
+        stop.wait()
+        log.info("shutdown requested: draining")
+        left = handle.drain.remote().result(timeout_s=settings.server.drain_timeout_s + 30)
+        if left:
+            log.warning("%d requests still open after the drain timeout", left)
+    finally:
+        try:
+            if address:
+                serve.delete(APP_NAME)  # a shared cluster: remove only this app
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0

@@ -1,0 +1,505 @@
+"""The ingress's engine stand-in: tokenize once, route by length, gather, answer.
+
+`create_app` (the embeddings API of `lenbatch serve`) is served unchanged over a `Frontend`
+instead of a local engine, so the Ray app speaks exactly the same protocol (validation, error
+shape, API key, base64, `/health`, `/metrics`, `/stats`, `/v1/models`). What `embed_with_usage`
+does here:
+
+    texts ─► tokenize (once; the text is dropped) ─► owner group per input (`LengthRanges`)
+          ─► one handle call per group, `group=` for the request router ─► replica engines
+          ─► vectors back in input order
+
+A call whose replica dies is sent again (the router has dropped the dead replica, so it goes to
+another one, a spill if it was the group's only replica), up to `attempts` times; after that
+the caller gets an explicit 503, never silence. Ray restarts the replica meanwhile.
+
+`/stats` and `/metrics` aggregate every replica's figures (fetched by calls addressed to each
+replica) with the routing board's counters; `refresh()` fetches them, `stats()`/`prometheus()`
+answer from the last fetch (the routes call `refresh()` just before, see `FreshFigures`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lenbatch.core.errors import BadInput, LenbatchError, Unavailable, draining
+from lenbatch.core.ranges import LengthRanges
+from lenbatch.embed.engine import Embedded, Inputs
+from lenbatch.runners.base import EmbeddingRunner, ModelInfo
+from lenbatch.scaleout.board import RoutingBoard
+from lenbatch.serving.lifecycle import EngineState, wait_set
+from lenbatch.serving.metrics import percentile
+
+__all__ = ["FreshFigures", "Frontend", "RelayedError", "aggregate_replicas", "merge_expositions"]
+
+log = logging.getLogger("lenbatch.scaleout.frontend")
+
+_CONTROL_TIMEOUT_S = 10.0
+# What /stats shows of each replica's own summary.
+_REPLICA_KEYS = (
+    "replica", "group", "unreachable", "state", "batches", "mean_batch_size", "real_tokens",
+    "padded_tokens", "padding_waste", "requests", "p50_ms", "p95_ms", "memory", "per_bucket",
+)  # fmt: skip
+
+
+class RelayedError(LenbatchError):
+    """An error a replica answered with, passed on to the client as it was."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__(
+            str(fields["message"]), retry_after=fields.get("retry_after"), code=fields["code"]
+        )
+        self.status = int(fields["status"])
+        self.kind = str(fields["kind"])
+
+
+def _is_replica_failure(exc: BaseException) -> bool:
+    """Whether `exc` says the replica (its actor) went away, rather than the request failing."""
+    from ray import exceptions as rex
+
+    return isinstance(exc, rex.RayActorError | rex.ActorUnavailableError | rex.ActorDiedError)
+
+
+def _own_call_id() -> None:
+    """Give the handle calls made from the current task their own internal request id.
+
+    Ray gives every call made while handling one HTTP request the proxy's internal request id,
+    and its base request router keys pending calls by that id: of two calls in flight at once
+    (the groups of a multi-input request, or the figures of two replicas) one would never be
+    sent. Ray's default router does not notice (its FIFO mixin hands replicas to the oldest
+    pending call, whatever its id); a router that places each call on purpose does. Each call
+    runs in its own task (so its own copy of the context): setting the id there is local to it.
+    """
+    import dataclasses
+    import uuid
+
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    )
+
+
+class Frontend:
+    """The `Servable` engine of the ingress: routes to the engine deployment's replicas."""
+
+    def __init__(
+        self,
+        handle: Any,
+        board: RoutingBoard,
+        tokenizer: EmbeddingRunner,
+        info: ModelInfo,
+        boundaries: Sequence[int],
+        *,
+        routing: str = "length",
+        default_truncate: bool = False,
+        request_timeout: float | None = None,
+        attempts: int = 3,
+    ) -> None:
+        self.handle = handle
+        self.board = board
+        self.tokenizer = tokenizer
+        self.info = info
+        self.routing = routing
+        self.default_truncate = default_truncate
+        self.request_timeout = request_timeout
+        self.attempts = attempts
+        self.ranges = LengthRanges(boundaries, info.max_length, board.groups_count)
+        self._state = EngineState.NEW
+        self._unanswered = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._latencies: deque[float] = deque(maxlen=20_000)
+        self._per_replica: list[dict[str, Any]] = []
+        self._expositions: list[tuple[str, int, bytes]] = []
+        self.registry = CollectorRegistry()
+        self._retries = Counter(
+            "lenbatch_ray_retries",
+            "Calls sent again after their replica died",
+            registry=self.registry,
+        )
+        self._failed = Counter(
+            "lenbatch_ray_failed_calls",
+            "Calls answered 503 after every attempt met a dead replica",
+            registry=self.registry,
+        )
+        self._rebalances = Gauge(
+            "lenbatch_ray_rebalances",
+            "Times the length ranges were re-planned",
+            registry=self.registry,
+        )
+        self._routed = Gauge(
+            "lenbatch_ray_routed_calls",
+            "Data calls routed, by the group owning their lengths and the replica chosen",
+            ["owner_group", "replica"],
+            registry=self.registry,
+        )
+        self._inputs = Gauge(
+            "lenbatch_ray_routed_inputs",
+            "Inputs routed, by owning group and replica",
+            ["owner_group", "replica"],
+            registry=self.registry,
+        )
+        self._spills = Gauge(
+            "lenbatch_ray_spills",
+            "Calls placed outside their owning group (it was saturated or had no replica)",
+            ["owner_group"],
+            registry=self.registry,
+        )
+        self._inflight = Gauge(
+            "lenbatch_ray_in_flight", "Calls in flight per replica", ["replica", "group"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.retries = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ Servable
+
+    @property
+    def state(self) -> EngineState:
+        """Where the ingress is in its lifecycle."""
+        return self._state
+
+    @property
+    def failure(self) -> str | None:
+        """Never set: a failed replica is replaced by Ray, the ingress itself does not fail."""
+        return None
+
+    @property
+    def ready(self) -> bool:
+        """Accepting work: running and at least one replica known."""
+        return self._state is EngineState.RUNNING and bool(self.board.replicas())
+
+    @property
+    def unanswered(self) -> int:
+        """Admitted calls not answered yet."""
+        return self._unanswered
+
+    async def start(self) -> None:
+        """Start accepting requests."""
+        self._state = EngineState.RUNNING
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503 shutting_down) from now on."""
+        if self._state is EngineState.RUNNING:
+            self._state = EngineState.DRAINING
+
+    async def drain(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests and wait up to `timeout` for the admitted ones (the replicas
+        answer them; a call still open at the timeout is answered by its replica's own drain)."""
+        self.begin_drain()
+        log.info("draining: %d admitted requests unanswered", self._unanswered)
+        await wait_set(self._idle, timeout)
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        """Drain, then stop."""
+        await self.drain(timeout)
+        self._state = EngineState.STOPPED
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        rows = ", ".join(
+            f"group {r['group']}: {r['min_len']}..{r['max_len'] or self.info.max_length}"
+            for r in self.ranges.plan.describe()
+        )
+        groups = self.board.groups_count
+        return f"ray scale-out over {groups} groups, routing {self.routing} ({rows})"
+
+    # ------------------------------------------------------------------ embedding
+
+    def _token_ids(self, inputs: Inputs, truncate: bool) -> list[list[int]]:
+        """Tokenize texts / check token arrays, as the single server's engine does."""
+        if not inputs:
+            raise BadInput("no inputs given")
+        if isinstance(inputs[0], str):
+            texts = cast("Sequence[str]", inputs)
+            if not all(isinstance(t, str) for t in texts):
+                raise BadInput("inputs mix texts and token arrays: send one kind per call")
+            for i, t in enumerate(texts):
+                if not t:
+                    raise BadInput(f"input {i} is an empty string")
+                if not t.isascii():
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise BadInput(
+                            f"input {i} is not valid Unicode (it holds a lone surrogate escape)"
+                        ) from None
+            try:
+                ids = self.tokenizer.tokenize(list(texts), truncate)
+            except Exception as exc:  # the message could quote the text: the type only
+                raise BadInput(
+                    f"the tokenizer could not process the input ({type(exc).__name__})"
+                ) from None
+        else:
+            ids = []
+            for i, seq in enumerate(cast("Sequence[Sequence[int]]", inputs)):
+                if isinstance(seq, str):
+                    raise BadInput("inputs mix texts and token arrays: send one kind per call")
+                if len(seq) and (min(seq) < 0 or max(seq) >= self.info.vocab_size):
+                    raise BadInput(f"input {i} has token ids outside [0, {self.info.vocab_size})")
+                ids.append(list(seq))
+        for i, x in enumerate(ids):
+            if not x:
+                raise BadInput(f"input {i} is empty (0 tokens)")
+        if truncate:
+            ids = [x[: self.info.max_length] for x in ids]
+        return ids
+
+    async def embed_with_usage(
+        self,
+        inputs: Inputs,
+        *,
+        truncate: bool | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> Embedded:
+        """Embed each input on the replica group owning its length; vectors in input order."""
+        if self._state is not EngineState.RUNNING:
+            raise (
+                draining()
+                if self._state is EngineState.DRAINING
+                else Unavailable(f"server is {self._state.value}; not accepting requests")
+            )
+        t0 = time.perf_counter()
+        cut = self.default_truncate if truncate is None else truncate
+        ids = self._token_ids(inputs, cut)
+        lengths = [len(x) for x in ids]
+        if self.ranges.observe(lengths):
+            log.info("length ranges re-planned: %s", self.ranges.plan.describe())
+        by_group: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            by_group.setdefault(self.ranges.owner(n), []).append(i)
+        timeout = timeout if timeout is not None else self.request_timeout
+        self._unanswered += 1
+        self._idle.clear()
+        try:
+            parts = await asyncio.gather(
+                *(
+                    self._call(g, [ids[i] for i in idx], cut, timeout, priority)
+                    for g, idx in by_group.items()
+                )
+            )
+        finally:
+            self._unanswered -= 1
+            if self._unanswered == 0:
+                self._idle.set()
+        vectors: list[Any] = [None] * len(ids)
+        tokens = 0
+        for idx, (vecs, used) in zip(by_group.values(), parts, strict=True):
+            tokens += used
+            for i, v in zip(idx, vecs, strict=True):
+                vectors[i] = v
+        self._latencies.append(time.perf_counter() - t0)
+        return Embedded(vectors, tokens)
+
+    async def _call(
+        self,
+        group: int,
+        ids: list[list[int]],
+        truncate: bool,
+        timeout: float | None,
+        priority: int,
+    ) -> tuple[list[Any], int]:
+        owner = group if self.routing == "length" else None
+        last: BaseException | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                self.retries += 1
+                self._retries.inc()
+                log.warning("replica died with a call in flight; sending it again (%d)", attempt)
+            _own_call_id()
+            try:
+                out = await self.handle.embed.remote(ids, truncate, timeout, priority, group=owner)
+            except Exception as exc:
+                if not _is_replica_failure(exc):
+                    raise
+                last = exc
+                continue
+            if "error" in out:
+                raise RelayedError(out["error"])
+            return list(np.asarray(out["vectors"], dtype=np.float32)), int(out["tokens"])
+        self.failed += 1
+        self._failed.inc()
+        raise Unavailable(
+            f"the replica serving this request died and {self.attempts} attempts failed "
+            f"({type(last).__name__}); retry shortly",
+            retry_after=2.0,
+            code="replica_failed",
+        )
+
+    # ------------------------------------------------------------------ figures
+
+    async def refresh(self) -> None:
+        """Fetch every replica's stats and Prometheus text (calls addressed to each)."""
+        replicas = self.board.replicas()
+
+        async def one(rid: str) -> tuple[str, dict[str, Any] | None, bytes]:
+            _own_call_id()
+            try:
+                stats, text = await asyncio.wait_for(
+                    self.handle.figures.remote(replica=rid), _CONTROL_TIMEOUT_S
+                )
+            except Exception as exc:  # a replica mid-restart: report it as unreachable
+                log.warning("replica %s gave no figures (%s)", rid, type(exc).__name__)
+                return rid, None, b""
+            return rid, stats, text
+
+        got = await asyncio.gather(*(one(r) for r in replicas))
+        self._per_replica = []
+        self._expositions = []
+        for rid, stats, text in got:
+            row: dict[str, Any] = {"replica": rid, "group": replicas[rid]}
+            if stats is None:
+                row["unreachable"] = True
+            else:
+                row.update(stats)
+                self._expositions.append((rid, replicas[rid], text))
+            self._per_replica.append(row)
+
+    def stats(self) -> dict[str, Any]:
+        """Aggregated figures (sums over replicas; latency as the ingress measured it), each
+        replica's own, the length ranges and the routing counters."""
+        reachable = [r for r in self._per_replica if not r.get("unreachable")]
+        out = aggregate_replicas(reachable)
+        lat = list(self._latencies)
+        out.update(
+            {
+                "strategy": f"ray:{self.routing}",
+                "state": self._state.value,
+                "unanswered": self._unanswered,
+                "p50_ms": 1000 * percentile(lat, 50) if lat else None,
+                "p95_ms": 1000 * percentile(lat, 95) if lat else None,
+                "p99_ms": 1000 * percentile(lat, 99) if lat else None,
+                "boundaries": list(self.ranges.boundaries),
+                "routing": {
+                    "policy": self.routing,
+                    "ranges": self.ranges.plan.describe(),
+                    "rebalances": self.ranges.rebalances,
+                    "retries": self.retries,
+                    "failed_calls": self.failed,
+                    **self.board.snapshot(),
+                },
+                "per_replica": [
+                    {k: r[k] for k in _REPLICA_KEYS if k in r} for r in self._per_replica
+                ],
+            }
+        )
+        return out
+
+    def prometheus(self) -> bytes:
+        """The routing series, then every replica's series labelled `replica` and `group`."""
+        snap = self.board.snapshot()
+        self._rebalances.set(self.ranges.rebalances)
+        for row in snap["routed"]:
+            labels = (str(row["owner_group"]), row["replica"])
+            self._routed.labels(*labels).set(row["calls"])
+            self._inputs.labels(*labels).set(row["inputs"])
+        for g, n in snap["spills"].items():
+            self._spills.labels(g).set(n)
+        for row in snap["replicas"]:
+            self._inflight.labels(row["replica"], str(row["group"])).set(row["in_flight"])
+        return generate_latest(self.registry) + merge_expositions(self._expositions)
+
+
+def aggregate_replicas(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the replicas' counters into one engine-shaped summary (same bucket labels, since
+    every replica runs the same configuration)."""
+    buckets: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    real = padded = batches = requests = 0
+    status: dict[str, int] = {}
+    for r in rows:
+        real += int(r.get("real_tokens", 0))
+        padded += int(r.get("padded_tokens", 0))
+        batches += int(r.get("batches", 0))
+        for k, v in (r.get("requests") or {}).items():
+            status[k] = status.get(k, 0) + int(v)
+        for b in r.get("per_bucket", []):
+            label = b["bucket"]
+            if label not in buckets:
+                order.append(label)
+                buckets[label] = {"bucket": label, "batches": 0, "requests": 0,
+                                  "real_tokens": 0, "padded_tokens": 0, "exec_s": 0.0}  # fmt: skip
+            acc = buckets[label]
+            acc["batches"] += b["batches"]
+            acc["requests"] += b["requests"]
+            requests += b["requests"]
+            acc["real_tokens"] += b["real_tokens"]
+            acc["padded_tokens"] += b["padded_tokens"]
+            acc["exec_s"] += b["mean_exec_ms"] * b["batches"] / 1000
+    per_bucket = []
+    for label in order:
+        acc = buckets[label]
+        n = acc["batches"]
+        per_bucket.append(
+            {
+                "bucket": label,
+                "batches": n,
+                "requests": acc["requests"],
+                "mean_batch_size": acc["requests"] / n if n else 0.0,
+                "real_tokens": acc["real_tokens"],
+                "padded_tokens": acc["padded_tokens"],
+                "padding_waste": 1 - acc["real_tokens"] / acc["padded_tokens"]
+                if acc["padded_tokens"]
+                else 0.0,
+                "mean_exec_ms": 1000 * acc["exec_s"] / n if n else 0.0,
+            }
+        )
+    return {
+        "requests": status,
+        "batches": batches,
+        "mean_batch_size": requests / batches if batches else 0.0,
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_waste": 1 - real / padded if padded else 0.0,
+        "per_bucket": per_bucket,
+    }
+
+
+def merge_expositions(texts: Sequence[tuple[str, int, bytes]]) -> bytes:
+    """Prometheus texts of several replicas as one exposition: each family once, every sample
+    labelled with its `replica` and `group` (sum over `replica` for the whole app)."""
+    families: dict[str, Metric] = {}
+    for rid, group, text in texts:
+        for fam in text_string_to_metric_families(text.decode("utf-8")):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+            for s in fam.samples:
+                labels = {**s.labels, "replica": rid, "group": str(group)}
+                merged.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+
+    class _Collector:
+        def collect(self) -> list[Metric]:
+            return list(families.values())
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    return generate_latest(registry)
+
+
+class FreshFigures:
+    """ASGI middleware: before `/stats` and `/metrics`, fetch every replica's figures (the
+    app's routes read them synchronously)."""
+
+    def __init__(self, app: ASGIApp, frontend: Frontend) -> None:
+        self.app = app
+        self.frontend = frontend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in ("/stats", "/metrics"):
+            await self.frontend.refresh()
+        await self.app(scope, receive, send)

@@ -1,0 +1,93 @@
+"""The Ray Serve request router's choices, with stand-ins for Ray's replica and request objects
+(the router's own logic only; the live routing is tests/integration/test_ray_scaleout.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray", reason="needs the Ray extra: pip install 'lenbatch[ray]'")
+
+from lenbatch.scaleout.board import RoutingBoard
+from lenbatch.scaleout.router import LengthRangeRouter
+
+
+@dataclass
+class FakeReplica:
+    uid: str
+
+    @property
+    def replica_id(self) -> Any:
+        return SimpleNamespace(unique_id=self.uid)
+
+
+@dataclass
+class FakeRequest:
+    kwargs: dict[str, Any]
+    args: list[Any] = field(default_factory=lambda: [[[1, 2, 3]]])
+    method: str = "embed"
+    request_id: str = "call-1"
+
+    def __post_init__(self) -> None:
+        self.routing_context = SimpleNamespace(should_backoff=False)
+        self.metadata = SimpleNamespace(
+            call_method=self.method, internal_request_id=self.request_id
+        )
+
+
+def router(
+    policy: str = "length", spill_at: int = 2
+) -> tuple[LengthRangeRouter, list[FakeReplica]]:
+    r = LengthRangeRouter.__new__(LengthRangeRouter)  # Ray's constructor needs a cluster
+    r.board, r.policy, r.spill_at = RoutingBoard(2), policy, spill_at
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    r.board.set_replicas(x.uid for x in replicas)  # a: group 0, b: group 1
+    return r, replicas
+
+
+def choose(r: LengthRangeRouter, replicas: list[FakeReplica], req: FakeRequest) -> list[list[str]]:
+    ranks = asyncio.run(r.choose_replicas(replicas, req))  # type: ignore[arg-type]
+    return [[x.uid for x in rank] for rank in ranks]
+
+
+def test_owner_group_first_then_the_rest_and_backoff_is_on() -> None:
+    r, replicas = router()
+    req = FakeRequest({"group": 1})
+    assert choose(r, replicas, req) == [["b"], ["a"]]
+    assert req.routing_context.should_backoff
+
+
+def test_saturated_owner_spills_and_the_board_counts_it() -> None:
+    r, replicas = router(spill_at=2)
+    for i in range(2):
+        r.on_request_routed(
+            FakeRequest({"group": 0}, request_id=f"c{i}"), replicas[0].replica_id, None
+        )
+    assert choose(r, replicas, FakeRequest({"group": 0})) == [["b"], ["a"]]
+    r.on_request_routed(FakeRequest({"group": 0}, request_id="c9"), replicas[1].replica_id, None)
+    snap = r.board.snapshot()
+    assert snap["spills"] == {"0": 1} and snap["routed_total"] == 3
+    r.on_request_completed(replicas[0].replica_id, "c0")
+    assert {x["replica"]: x["in_flight"] for x in r.board.snapshot()["replicas"]} == {
+        "a": 1,
+        "b": 1,
+    }
+
+
+def test_control_calls_go_to_their_replica_and_are_not_counted() -> None:
+    r, replicas = router()
+    req = FakeRequest({"replica": "b"}, method="figures")
+    assert choose(r, replicas, req) == [["b"]]
+    assert choose(r, replicas, FakeRequest({"replica": "gone"}, method="figures")) == []
+    r.on_request_routed(req, replicas[1].replica_id, None)
+    assert r.board.snapshot()["routed_total"] == 0
+
+
+def test_pow2_picks_two_replicas_regardless_of_length() -> None:
+    r, replicas = router(policy="pow2")
+    ranks = choose(r, replicas, FakeRequest({"group": None}))
+    assert len(ranks) == 1 and sorted(ranks[0]) == ["a", "b"]
