@@ -30,7 +30,7 @@ from lenbatch.runners.base import CausalRunner
 __all__ = ["DecodeCore", "PrefillJob", "UnitResult"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
 class PrefillJob:
     """A scheduler batch being prefilled: its sequences, padded inputs and partial cache."""
 
@@ -169,11 +169,12 @@ class DecodeCore:
         self.kv_bytes()
         if hi < job.width:
             return result
+        # Sample before the job leaves the queue, so a failure here is still the job's own.
+        tokens = _choose(logits, job.seqs, self.runner.eos_token_ids)
         self.jobs.popleft()
         result.finished_job = True
         for s in job.seqs:
             s.timings.prefill_end = end
-        tokens = _choose(logits, job.seqs, self.runner.eos_token_ids)
         eos = self.runner.eos_token_ids
         for s, tok in zip(job.seqs, tokens, strict=True):
             result.deltas.append((s, s.add_token(tok, eos)))
@@ -223,7 +224,8 @@ class DecodeCore:
         Returns (sequences to fail now, scheduler lanes freed). A job of one fails; a larger
         job is replaced at the head of the queue by its two halves, each with a fresh cache.
         """
-        self.jobs.remove(job)
+        if job in self.jobs:
+            self.jobs.remove(job)
         if job.rows == 1:
             return job.seqs, self._release(job)
         mid = job.rows // 2
