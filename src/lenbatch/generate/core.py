@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lenbatch.core.collate import Collated, collate
-from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
+from lenbatch.generate.kvcache import KVBatch, cache_bytes
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.sequence import Delta, Sequence
 from lenbatch.runners.base import CausalRunner
@@ -178,14 +178,14 @@ class DecodeCore:
         eos = self.runner.eos_token_ids
         for s, tok in zip(job.seqs, tokens, strict=True):
             result.deltas.append((s, s.add_token(tok, eos)))
-        joined = KVBatch(
-            cache=job.cache,
-            mask=mask,
-            next_pos=torch.tensor(b.lengths, dtype=torch.long, device=dev),
-            last=torch.tensor(tokens, dtype=torch.long, device=dev),
-        )
-        joined.trim()  # a static pad_to may leave all-padding columns
-        self.running = merge(self.running, joined)
+        next_pos = torch.tensor(b.lengths, dtype=torch.long, device=dev)
+        last = torch.tensor(tokens, dtype=torch.long, device=dev)
+        # The prefill's keys and values are copied once, into the running batch's buffers
+        # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
+        if self.running is None or self.running.rows == 0:
+            self.running = KVBatch(job.cache, mask, next_pos, last)
+        else:
+            self.running.join(job.cache, mask, next_pos, last)
         self.rows.extend(job.seqs)
         result.released_lanes.extend(self._release(job))
         result.released_lanes.extend(self._drop_done())
