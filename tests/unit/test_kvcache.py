@@ -107,7 +107,7 @@ def test_merge_of_a_much_wider_and_larger_batch_grows_left_and_down() -> None:
     assert _rows(m) == before
     assert m.mask[0].tolist() == [0] * 148 + [1, 1]
     _append_column(m, [float(i) for i in range(14)])
-    assert _rows(m) == [row + [float(i)] for i, row in enumerate(before)]
+    assert _rows(m) == [[*row, float(i)] for i, row in enumerate(before)]
 
 
 def test_select_of_a_non_prefix_then_merge_reuses_freed_rows() -> None:

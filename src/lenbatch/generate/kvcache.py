@@ -66,7 +66,7 @@ class WindowLayer(DynamicLayer):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
         self.rows = 0
@@ -135,9 +135,11 @@ class WindowLayer(DynamicLayer):
         """Write the new columns in place after the window; returns the grown window."""
         if self.kbuf is None:
             self.adopt(key_states, value_states)
-            return self.keys, self.values
+            return self._window()
         if key_states.shape[0] != self.rows:
-            raise RuntimeError(f"bug: {key_states.shape[0]} rows written to a {self.rows}-row cache")
+            raise RuntimeError(
+                f"bug: {key_states.shape[0]} rows written to a {self.rows}-row cache"
+            )
         n = key_states.shape[2]
         self.reserve(self.rows, 0, n)
         assert self.kbuf is not None and self.vbuf is not None
@@ -145,6 +147,10 @@ class WindowLayer(DynamicLayer):
         self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
         self.end += n
         self._view()
+        return self._window()
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
     # ------------------------------------------------------------------ batch surgery
@@ -307,6 +313,13 @@ class KVBatch:
         self.mask = both
         self.next_pos = torch.cat([self.next_pos, next_pos])
         self.last = torch.cat([self.last, last])
+
+    def rollback(self) -> None:
+        """Undo the writes of a decode step that failed part-way (some layers appended their
+        column, others not): every layer's window ends at the mask's width again."""
+        for layer in self._layers():
+            layer.end = layer.start + self.width
+            layer._view()
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [B,1], attention mask [B,W+1], position ids [B,1]) for one decode step."""

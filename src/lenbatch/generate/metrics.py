@@ -95,6 +95,13 @@ class LMMetrics:
             "Admitted sequences waiting for prefill",
             registry=r,
         )
+        self.oom = Counter(
+            "lenbatch_llm_out_of_memory",
+            "Units that ran out of memory (split and retried), by kind",
+            ["kind"],
+            registry=r,
+        )
+        self._oom = {"prefill": 0, "decode": 0}
         self._ttft: deque[float] = deque(maxlen=_WINDOW)
         self._stages: dict[str, deque[float]] = {s: deque(maxlen=_WINDOW) for s in STAGES}
         self._itl: deque[float] = deque(maxlen=_WINDOW)
@@ -137,6 +144,11 @@ class LMMetrics:
             self._decode_real += real
             self._decode_padded += padded
 
+    def record_oom(self, kind: str) -> None:
+        """A unit of `kind` ran out of memory (it is split and retried)."""
+        self.oom.labels(kind).inc()
+        self._oom[kind] = self._oom.get(kind, 0) + 1
+
     def set_state(
         self, kv_bytes: int, kv_real_bytes: int, kv_peak: int, running: int, pending: int
     ) -> None:
@@ -169,6 +181,7 @@ class LMMetrics:
             if self._decode_padded
             else 0.0,
             "kv_cache": dict(self._kv),
+            "out_of_memory": dict(self._oom),
         }
 
 
