@@ -109,6 +109,9 @@ class LMMetrics:
         self._tokens = 0
         self._decode_real = 0
         self._decode_padded = 0
+        self._step_s = {"prefill": 0.0, "decode": 0.0}
+        self._step_n = {"prefill": 0, "decode": 0}
+        self._decode_rows = 0
         self._kv = {"bytes": 0, "real_bytes": 0, "peak_bytes": 0}
 
     def record_first_token(self, ttft: float, stages: Mapping[str, float]) -> None:
@@ -137,7 +140,10 @@ class LMMetrics:
         """One unit ran; for decode steps `real` / `padded` are attended cache columns."""
         self.steps.labels(kind).inc()
         self.step_time.labels(kind).observe(compute_s)
+        self._step_s[kind] = self._step_s.get(kind, 0.0) + compute_s
+        self._step_n[kind] = self._step_n.get(kind, 0) + 1
         if kind == "decode":
+            self._decode_rows += rows
             self.decode_rows.observe(rows)
             self.kv_real.inc(real)
             self.kv_padded.inc(padded)
@@ -182,6 +188,16 @@ class LMMetrics:
             else 0.0,
             "kv_cache": dict(self._kv),
             "out_of_memory": dict(self._oom),
+            "steps": {
+                kind: {
+                    "count": n,
+                    "mean_forward_ms": 1000 * self._step_s[kind] / n if n else None,
+                }
+                for kind, n in self._step_n.items()
+            },
+            "decode_mean_rows": self._decode_rows / self._step_n["decode"]
+            if self._step_n["decode"]
+            else None,
         }
 
 
