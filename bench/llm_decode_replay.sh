@@ -20,6 +20,18 @@ MODEL=${MODEL:-smollm2}
 DURATION=${DURATION:-60}
 OUT=${OUT:-bench/results/llm-decode-replay}
 mkdir -p "$OUT"
+TOK=$MODEL
+if [[ "$MODEL" == smollm2 ]]; then
+  # `lenbatch replay` sizes bodies with a tokenizer folder; SmolLM2 ships as GGUF only.
+  TOK=out/smollm2-tokenizer
+  [[ -f $TOK/config.json ]] || .venv/bin/python -c "
+from transformers import AutoConfig, AutoTokenizer
+from lenbatch.runners.causal import SMOLLM2_GGUF as G, smollm2_folder as f
+AutoTokenizer.from_pretrained(f(), gguf_file=G).save_pretrained('$TOK')
+AutoConfig.from_pretrained(f(), gguf_file=G).save_pretrained('$TOK')"
+fi
+pid=""
+trap '[[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null; true' EXIT
 for spec in "$@"; do
   label=${spec%%:*}
   args=""
@@ -34,11 +46,12 @@ for spec in "$@"; do
     curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
     sleep 0.5
   done
-  .venv/bin/lenbatch replay azure-conv --endpoint completions --model "$MODEL" \
+  .venv/bin/lenbatch replay azure-conv --endpoint completions --model "$TOK" --served-model "$MODEL" \
     --length-scale 0.1 --max-length 400 --output-scale 0.25 --max-output 64 \
     --rate-scale "$RATE" --start 600 --duration "$DURATION" --timeout 120 --no-progress \
     --url "http://127.0.0.1:$PORT" --json "$OUT/$label-x$RATE.json"
   curl -sf "http://127.0.0.1:$PORT/stats" > "$OUT/$label-x$RATE.stats.json" || true
   kill -TERM "$pid"
   wait "$pid" || true
+  pid=""
 done
