@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lenbatch.config import BatchingConfig, GenerationConfig
+from lenbatch.config import BatchingConfig
 from lenbatch.generate import GenerationEngine, SamplingParams
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
 
@@ -84,8 +84,9 @@ def main() -> int:
     assert ref is not None
     load = {"gguf_file": ref.gguf_file, "name": ref.name}
     fp32 = CausalLMRunner(ref.folder, **load, dtype="float32")
-    texts = _prompts(args.prompts)
-    prompts = fp32.tokenize(texts)
+    # Through the chat template: the instruct model answers at length (raw questions often
+    # get an end-of-sequence token first, which would make agreement trivial).
+    prompts = [fp32.chat_prompt([{"role": "user", "content": q}]) for q in _prompts(args.prompts)]
     expected = [_reference(fp32, ids, args.max_new) for ids in prompts]
     del fp32
     runner = CausalLMRunner(ref.folder, **load, dtype=args.dtype)

@@ -1,6 +1,6 @@
 """Markdown table of `bench/llm_decode_replay.sh` runs (replay summaries and server /stats).
 
-    .venv/bin/python bench/llm_decode_table.py bench/results/llm-decode-replay/*-x0.3.json
+.venv/bin/python bench/llm_decode_table.py bench/results/llm-decode-replay/*-x0.3.json
 """
 
 from __future__ import annotations
