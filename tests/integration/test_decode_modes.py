@@ -169,3 +169,38 @@ async def test_drain_timeout_ends_the_rest_with_503(llama_runner: Any) -> None:
         assert engine.unanswered == 0
     finally:
         await engine.stop()
+
+
+async def test_a_failure_while_sampling_first_tokens_fails_that_prompt_alone(
+    llama_runner: Any,
+) -> None:
+    """Sampling the first token can fail too (NaN logits here): the job is still bisected, the
+    poisoned prompt fails alone, and the engine keeps serving (it used to crash its loop)."""
+    prompts = llama_runner.tokenize(PROMPTS[:4])
+    poison = min(set(range(5, 512)) - {t for p in prompts for t in p})
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    real_forward = llama_runner.forward
+
+    class NaNOnPoison:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(llama_runner, name)
+
+        def forward(self, ids: Any, *args: Any) -> Any:
+            logits = real_forward(ids, *args)
+            if ids.shape[1] > 1 and (ids == poison).any():
+                logits[(ids == poison).any(dim=1)] = float("nan")
+            return logits
+
+    engine.core.runner = NaNOnPoison()  # type: ignore[assignment]
+    prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]
+    p = SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)
+    await engine.start()
+    try:
+        out = await _drain(engine, [engine.submit(x, p) for x in prompts])
+        after = await _drain(engine, [engine.submit(prompts[0], p)])
+    finally:
+        await engine.stop()
+    assert isinstance(out[1], ModelFailed)
+    assert [len(o) for i, o in enumerate(out) if i != 1] == [3, 3, 3]
+    assert [len(o) for o in after] == [3]
+    assert not engine._open

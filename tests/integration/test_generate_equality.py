@@ -129,3 +129,77 @@ def test_gpt2_needs_explicit_positions_when_left_padded(gpt2_runner: Any) -> Non
     padded_naive = gpt2_runner.forward(ids, mask, naive, gpt2_runner.new_cache())
     assert torch.allclose(padded_ok, alone, atol=1e-5)
     assert not torch.allclose(padded_naive, alone, atol=1e-3)
+
+
+async def _all_tokens(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    await engine.start()
+    try:
+        seqs = [engine.submit(p, params) for p in prompts]
+        return list(await asyncio.gather(*(_collect(engine, s) for s in seqs)))
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
+async def test_prefill_out_of_memory_splits_and_retries_losing_nothing(
+    mode: DecodeMode, greedy_refs: dict[str, Any]
+) -> None:
+    """A prefill over the memory limit is split into smaller batches and, for a single long
+    prompt, finer chunks; every request still gets exactly generate()'s tokens."""
+    from lenbatch.runners.faulty import FaultyCausalRunner
+
+    runner, prompts, expected = greedy_refs["llama"]
+    limit = 24  # tokens per prefill call; the longest prompt alone is longer
+    assert max(len(p) for p in prompts) > limit
+    faulty = FaultyCausalRunner(runner, oom_prefill_tokens=limit)
+    engine = _engine(faulty, mode, step_tokens=512)
+    got = await _all_tokens(engine, prompts)
+    assert got == expected
+    assert faulty.faults["prefill_oom"] >= 2
+    assert max(r * c for r, c in faulty.calls if c > 1) <= limit
+    assert engine.lm.stats()["out_of_memory"]["prefill"] == faulty.faults["prefill_oom"]
+    assert not engine._open
+
+
+async def test_decode_out_of_memory_hands_rows_back_to_prefill_losing_nothing(
+    greedy_refs: dict[str, Any],
+) -> None:
+    """A decode step over the memory limit is undone and the newest rows go back to prefill
+    (over prompt and generated tokens); they resume and match generate() token for token."""
+    from lenbatch.runners.faulty import FaultyCausalRunner
+
+    runner, prompts, expected = greedy_refs["llama"]
+    faulty = FaultyCausalRunner(runner, oom_decode_rows=2)
+    engine = _engine(faulty, DecodeMode.CONTINUOUS)
+    got = await _all_tokens(engine, prompts)
+    assert got == expected
+    assert faulty.faults["decode_oom"] >= 1
+    assert engine.core.preempted >= 1
+    assert max(r for r, c in faulty.calls if c == 1) <= 2  # steps that ran fit the limit
+    assert not engine._open
+
+
+async def test_a_prompt_that_runs_out_of_memory_alone_gets_503(llama_runner: Any) -> None:
+    """When even one prompt in the smallest chunks runs out of memory, its request ends with
+    a 503 out_of_memory error (Retry-After); the others of its batch are still answered."""
+    from lenbatch.core.errors import OutOfMemory
+    from lenbatch.generate.core import MIN_OOM_CHUNK
+    from lenbatch.runners.faulty import FaultyCausalRunner
+
+    faulty = FaultyCausalRunner(llama_runner, oom_prefill_tokens=MIN_OOM_CHUNK - 1)
+    engine = _engine(faulty, DecodeMode.CONTINUOUS)
+    short = llama_runner.tokenize(["Hi"])[0]
+    assert len(short) < MIN_OOM_CHUNK
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    await engine.start()
+    try:
+        long_seq = engine.submit(llama_runner.tokenize([PROMPTS[2]])[0], params)
+        short_seq = engine.submit(short, params)
+        with pytest.raises(OutOfMemory) as err:
+            await _collect(engine, long_seq)
+        assert len(await _collect(engine, short_seq)) == 3
+    finally:
+        await engine.stop()
+    assert err.value.status == 503
+    assert not engine._open

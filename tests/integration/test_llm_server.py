@@ -215,24 +215,46 @@ def test_kv_cache_accounted_apart_from_weights(served: _Served) -> None:
     assert stats["memory"]["weights_mb"] == pytest.approx(weights / 2**20)
 
 
+_SEED_RANGE = "seed: must be an integer in [-9223372036854775808, 9223372036854775807]"
+_BAD_BODIES: list[tuple[dict[str, Any], int, str]] = [
+    ({"prompt": "hi", "max_tokens": 100_000}, 413, "context of 512 tokens"),
+    ({"prompt": "hi", "n": 2}, 400, "only n=1"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
+    ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [999_999], "max_tokens": 3}, 400, "token ids outside"),
+    ({"prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": 0.7, "seed": 2**80}, 400, _SEED_RANGE),
+    ({"prompt": "hi", "temperature": 0.7, "seed": -(2**64)}, 400, _SEED_RANGE),
+    ({"prompt": "hi", "min_tokens": 2**80}, 400, "min_tokens must be between 0"),
+    ({"prompt": "hi", "max_tokens": 2**80}, 413, "context of 512 tokens"),
+]
+
+
+def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k != "prompt"}
+    out["messages"] = [{"role": "user", "content": body["prompt"]}]
+    return out
+
+
 @pytest.mark.parametrize(
-    ("body", "status", "needle"),
-    [
-        ({"prompt": "hi", "max_tokens": 100_000}, 413, "context of 512 tokens"),
-        ({"prompt": "hi", "n": 2}, 400, "only n=1"),
-        ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
-        ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
-        ({"prompt": [999_999], "max_tokens": 3}, 400, "token ids outside"),
-        ({"prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ("route", "body", "status", "needle"),
+    [("/v1/completions", *case) for case in _BAD_BODIES]
+    + [
+        ("/v1/chat/completions", _as_chat(b), status, needle)
+        for b, status, needle in _BAD_BODIES
+        if isinstance(b["prompt"], str)  # token-id prompts exist only on /v1/completions
     ],
 )
 def test_bad_requests_get_clear_errors(
-    served: _Served, body: dict[str, Any], status: int, needle: str
+    served: _Served, body: dict[str, Any], status: int, needle: str, route: str
 ) -> None:
-    """Invalid requests are refused with OpenAI-shaped errors that say what is wrong."""
-    resp = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
-    assert resp.status_code == status
-    assert needle in resp.json()["error"]["message"]
+    """Invalid requests are refused with OpenAI-shaped errors that say what is wrong (both
+    routes: a chat body carries the same options with messages instead of a prompt)."""
+    resp = httpx.post(served.url + route, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert needle in err["message"]
+    assert err["type"] == "invalid_request_error"
 
 
 def test_client_disconnect_frees_the_sequence(served: _Served) -> None:

@@ -13,6 +13,7 @@ from lenbatch.generate.policy import ContinuousPolicy, StaticPolicy
 class _Job:
     rows: int
     remaining: int
+    max_cols: int | None = None
 
 
 @dataclass
@@ -76,3 +77,11 @@ def test_continuous_chunk_is_at_least_one_column() -> None:
     p = ContinuousPolicy(max_running=64, step_tokens=8)
     unit = p.next_unit(_Core(jobs=deque([_Job(4, 9)]), running_rows=20), "decode")  # type: ignore[arg-type]
     assert unit is not None and unit.cols == 1
+
+
+def test_a_job_that_ran_out_of_memory_gets_smaller_chunks_in_both_modes() -> None:
+    """After an out-of-memory retry a job's chunk cap bounds its prefill columns."""
+    job = _Job(1, 40, max_cols=10)
+    for policy in (StaticPolicy(max_batch=8), ContinuousPolicy(max_running=8, step_tokens=64)):
+        unit = policy.next_unit(_Core(jobs=deque([job])), None)  # type: ignore[arg-type]
+        assert unit is not None and unit.kind == "prefill" and unit.cols == 10

@@ -68,3 +68,54 @@ def test_cache_bytes_counts_keys_and_values_of_every_layer() -> None:
     """Bytes = 2 tensors x layers x batch x heads x width x dim x 4 (float32)."""
     b = _batch([4, 2], 0)
     assert cache_bytes(b.cache) == 2 * LAYERS * 2 * HEADS * 4 * DIM * 4
+
+
+def _append_column(b: KVBatch, values: list[float]) -> None:
+    """One decode step as the model does it: every layer writes one new column."""
+    col = torch.tensor(values)[:, None, None, None].expand(b.rows, HEADS, 1, DIM).clone()
+    for layer in range(LAYERS):
+        b.cache.update(col, -col, layer)
+    ids, mask, _ = b.step_inputs()
+    b.advance(mask, ids[:, 0])
+
+
+def test_appends_past_the_buffers_headroom_keep_every_token() -> None:
+    """Decode steps write in place; when the spare columns run out the buffer grows (more
+    than once here) and every row still reads its own tokens in order."""
+    b = _batch([3, 1], 0)
+    expected = _rows(b)
+    reserved = b.reserved_bytes()
+    for step in range(300):
+        vals = [5000.0 + step, 9000.0 + step]
+        _append_column(b, vals)
+        for r in range(2):
+            expected[r].append(vals[r])
+    assert _rows(b) == expected
+    assert b.width == 303
+    assert b.reserved_bytes() > reserved
+    assert torch.equal(b.cache.layers[1].values, -b.cache.layers[1].keys)
+
+
+def test_merge_of_a_much_wider_and_larger_batch_grows_left_and_down() -> None:
+    """Joining rows wider than the running window (beyond its left headroom) and more rows
+    than its spare rows keeps every row's tokens right-aligned and masked."""
+    a = _batch([2, 1], 0)
+    b = _batch([150] + [3] * 11, 10_000)
+    before = _rows(a) + _rows(b)
+    m = merge(a, b)
+    assert m.rows == 14 and m.width == 150
+    assert _rows(m) == before
+    assert m.mask[0].tolist() == [0] * 148 + [1, 1]
+    _append_column(m, [float(i) for i in range(14)])
+    assert _rows(m) == [[*row, float(i)] for i, row in enumerate(before)]
+
+
+def test_select_of_a_non_prefix_then_merge_reuses_freed_rows() -> None:
+    """Rows kept out of order are compacted to the front; later joiners land after them."""
+    b = _batch([4, 2, 5], 0)
+    rows = _rows(b)
+    b.select([2, 0])
+    assert _rows(b) == [rows[2], rows[0]]
+    c = _batch([1], 500)
+    m = merge(b, c)
+    assert _rows(m) == [rows[2], rows[0], _rows(_batch([1], 500))[0]]

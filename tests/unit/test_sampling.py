@@ -57,10 +57,11 @@ def test_greedy_takes_the_argmax_per_row() -> None:
     assert choose_tokens(logits, [p, p], [None, None]) == [1, 0]
 
 
-def test_tiny_top_p_keeps_only_the_top_token() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 5e-324])  # 5e-324 rounds to 0 in float32
+def test_tiny_top_p_keeps_only_the_top_token(top_p: float) -> None:
     """top_p near 0 leaves only the most likely token, whatever the seed."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
-    p = SamplingParams(temperature=1.0, top_p=1e-6, seed=7)
+    p = SamplingParams(temperature=1.0, top_p=top_p, seed=7)
     for seed in range(5):
         gen = make_generator(SamplingParams(seed=seed), torch.device("cpu"))
         assert choose_tokens(logits, [p], [gen]) == [1]

@@ -22,15 +22,18 @@ from typing import Any
 import torch
 
 from lenbatch.core.collate import Collated, collate
-from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
+from lenbatch.generate.kvcache import KVBatch, cache_bytes
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.sequence import Delta, Sequence
 from lenbatch.runners.base import CausalRunner
 
-__all__ = ["DecodeCore", "PrefillJob", "UnitResult"]
+__all__ = ["MIN_OOM_CHUNK", "DecodeCore", "PrefillJob", "UnitResult"]
+
+# Below this many columns per chunk, a single prompt that still runs out of memory fails.
+MIN_OOM_CHUNK = 8
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
 class PrefillJob:
     """A scheduler batch being prefilled: its sequences, padded inputs and partial cache."""
 
@@ -42,6 +45,8 @@ class PrefillJob:
     # False for the first half of a bisected batch: the scheduler counted the batch once, so
     # only its last part frees the slot.
     releases: bool = True
+    # Most columns per prefill chunk after this job ran out of memory (None: the policy's).
+    max_cols: int | None = None
 
     @property
     def rows(self) -> int:
@@ -90,6 +95,7 @@ class DecodeCore:
         self.rows: list[Sequence] = []
         self._held_lanes: list[int] = []
         self.kv_peak_bytes = 0
+        self.preempted = 0  # rows moved back to prefill after a decode step ran out of memory
 
     # ------------------------------------------------------------------ state
 
@@ -133,8 +139,10 @@ class DecodeCore:
         return job
 
     def _collate(self, seqs: list[Sequence], pad_to: int | None) -> Collated:
+        # A sequence preempted from the decode batch is prefilled again over its prompt and
+        # what it has generated so far, then continues where it was (vLLM's recompute).
         return collate(
-            [s.request.token_ids or [] for s in seqs],
+            [(s.request.token_ids or []) + s.generated for s in seqs],
             self.runner.info.pad_token_id,
             "left",
             pad_to=pad_to,
@@ -169,22 +177,23 @@ class DecodeCore:
         self.kv_bytes()
         if hi < job.width:
             return result
+        # Sample before the job leaves the queue, so a failure here is still the job's own.
+        tokens = _choose(logits, job.seqs, self.runner.eos_token_ids)
         self.jobs.popleft()
         result.finished_job = True
         for s in job.seqs:
             s.timings.prefill_end = end
-        tokens = _choose(logits, job.seqs, self.runner.eos_token_ids)
         eos = self.runner.eos_token_ids
         for s, tok in zip(job.seqs, tokens, strict=True):
             result.deltas.append((s, s.add_token(tok, eos)))
-        joined = KVBatch(
-            cache=job.cache,
-            mask=mask,
-            next_pos=torch.tensor(b.lengths, dtype=torch.long, device=dev),
-            last=torch.tensor(tokens, dtype=torch.long, device=dev),
-        )
-        joined.trim()  # a static pad_to may leave all-padding columns
-        self.running = merge(self.running, joined)
+        next_pos = torch.tensor(b.lengths, dtype=torch.long, device=dev)
+        last = torch.tensor(tokens, dtype=torch.long, device=dev)
+        # The prefill's keys and values are copied once, into the running batch's buffers
+        # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
+        if self.running is None or self.running.rows == 0:
+            self.running = KVBatch(job.cache, mask, next_pos, last)
+        else:
+            self.running.join(job.cache, mask, next_pos, last)
         self.rows.extend(job.seqs)
         result.released_lanes.extend(self._release(job))
         result.released_lanes.extend(self._drop_done())
@@ -223,7 +232,8 @@ class DecodeCore:
         Returns (sequences to fail now, scheduler lanes freed). A job of one fails; a larger
         job is replaced at the head of the queue by its two halves, each with a fresh cache.
         """
-        self.jobs.remove(job)
+        if job in self.jobs:
+            self.jobs.remove(job)
         if job.rows == 1:
             return job.seqs, self._release(job)
         mid = job.rows // 2
@@ -232,6 +242,56 @@ class DecodeCore:
             half = PrefillJob(job.lane, seqs, self._collate(seqs, None), self.runner.new_cache())
             half.releases = releases
             self.jobs.appendleft(half)
+        return [], []
+
+    def oom_job(self, job: PrefillJob, cols: int) -> tuple[list[Sequence], list[int]]:
+        """A prefill chunk of `cols` columns of `job` ran out of memory: retry smaller.
+
+        A job of several rows is split in two (each half retried with a fresh cache); a job of
+        one row restarts from its first column with chunks of half the size. Returns the
+        sequences to fail now (one row that ran out of memory even in chunks of
+        `MIN_OOM_CHUNK` columns) and the scheduler lanes freed.
+        """
+        if job in self.jobs:
+            self.jobs.remove(job)
+        if job.rows > 1:
+            mid = job.rows // 2
+            halves = [(job.seqs[:mid], False), (job.seqs[mid:], job.releases)]
+            for seqs, releases in reversed(halves):
+                half = PrefillJob(
+                    job.lane, seqs, self._collate(seqs, None), self.runner.new_cache()
+                )
+                half.releases, half.max_cols = releases, job.max_cols
+                self.jobs.appendleft(half)
+            return [], []
+        smaller = min(cols, job.width) // 2
+        if smaller < MIN_OOM_CHUNK:
+            return job.seqs, self._release(job)
+        # The failed chunk may have written some layers' caches and not others: start over.
+        retry = PrefillJob(job.lane, job.seqs, job.batch, self.runner.new_cache())
+        retry.releases, retry.max_cols = job.releases, smaller
+        self.jobs.appendleft(retry)
+        return [], []
+
+    def oom_running(self) -> tuple[list[Sequence], list[int]]:
+        """A decode step ran out of memory: undo its partial cache writes and move the newest
+        half of the running rows back to prefill (recomputed later over prompt and generated
+        tokens, so nothing is lost). A single row that runs out of memory fails: returned with
+        the scheduler lanes freed."""
+        kv = self.running
+        if kv is None or not self.rows:
+            return [], []
+        kv.rollback()
+        if len(self.rows) == 1:
+            return self.fail_running()
+        keep = len(self.rows) // 2
+        moved = self.rows[keep:]
+        self.rows = self.rows[:keep]
+        kv.select(list(range(keep)))
+        job = PrefillJob(-1, moved, self._collate(moved, None), self.runner.new_cache())
+        job.releases = False  # its rows' scheduler slot was already accounted for
+        self.jobs.appendleft(job)
+        self.preempted += len(moved)
         return [], []
 
     def fail_running(self) -> tuple[list[Sequence], list[int]]:

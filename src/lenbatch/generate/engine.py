@@ -29,6 +29,8 @@ from lenbatch.core.errors import (
     InputTooLong,
     LenbatchError,
     ModelFailed,
+    OutOfMemory,
+    is_out_of_memory,
 )
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request, RequestStatus
@@ -133,6 +135,7 @@ class GenerationEngine(BaseEngine):
     def _extra_stats(self) -> dict[str, Any]:
         out = self.lm.stats()
         out["decode_mode"] = self.mode
+        out["preempted_rows"] = self.core.preempted
         return out
 
     def _extra_prometheus(self) -> bytes:
@@ -401,6 +404,9 @@ class GenerationEngine(BaseEngine):
 
     def _on_unit_error(self, unit: Unit, exc: Exception) -> None:
         name = type(exc).__name__
+        if is_out_of_memory(exc):
+            self._on_out_of_memory(unit)
+            return
         if unit.kind == "prefill" and unit.job is not None:
             log.warning("prefill of %d prompts failed (%s); bisecting", unit.job.rows, name)
             failed, lanes = self.core.fail_job(unit.job)
@@ -411,6 +417,22 @@ class GenerationEngine(BaseEngine):
             msg = f"the model failed during decoding ({name})"
         for seq in failed:
             self._fail(seq, ModelFailed(msg))
+        for lane in lanes:
+            self.queues.batch_done(lane)
+
+    def _on_out_of_memory(self, unit: Unit) -> None:
+        """Split and retry: a prefill job is halved (or, one row, chunked finer), a decode
+        batch hands its newest half back to prefill. Only a single row that runs out of memory
+        at the smallest size fails, with 503 and Retry-After."""
+        self.lm.record_oom(unit.kind)
+        if unit.kind == "prefill" and unit.job is not None:
+            log.warning("prefill of %d prompts ran out of memory; splitting", unit.job.rows)
+            failed, lanes = self.core.oom_job(unit.job, unit.cols)
+        else:
+            log.warning("decode step of %d rows ran out of memory", self.core.running_rows)
+            failed, lanes = self.core.oom_running()
+        for seq in failed:
+            self._fail(seq, OutOfMemory("the model ran out of memory on this prompt alone"))
         for lane in lanes:
             self.queues.batch_done(lane)
 

@@ -1,21 +1,24 @@
-"""The KV cache of a batch of sequences, kept right-aligned so rows can join and leave.
+"""The KV cache of a batch of sequences, kept right-aligned in preallocated buffers.
 
 Every row's newest token sits in the last column; shorter rows are padded on the *left* with
-masked columns. That one invariant makes the three operations continuous batching needs cheap
-and exact:
+masked columns. That one invariant makes the operations continuous batching needs cheap and
+exact, because all rows write their next token to the same column:
 
-* **select** rows (drop finished or cancelled sequences): index the batch dimension, then trim
-  leading columns that are padding in every remaining row, so finished sequences stop costing
-  attention compute and memory;
-* **merge** two batches (newly prefilled rows join the running decode batch): left-pad the
-  narrower one's keys, values and mask with masked zeros to the wider one's width, then concatenate
-  along the batch dimension;
-* **append** one decode step: every row gets one new column.
+* **append** one decode step: the model writes one column into each layer's buffer, in place
+  (`WindowLayer.update`); nothing is concatenated or reallocated per step, except when the
+  buffer's headroom runs out (it then doubles, so that cost is amortised);
+* **select** rows (drop finished or cancelled sequences): compact the kept rows to the front of
+  the buffer, then move the window's start past columns that are padding in every remaining row
+  (a pointer move), so finished sequences stop costing attention compute;
+* **merge** (newly prefilled rows join the running batch): copy the new rows' keys and values
+  into free rows of the buffer, right-aligned; if they are wider than the running batch, the
+  window grows to the left into the buffer's headroom (no running row is moved).
 
-Padding columns are excluded by the attention mask, so they never change a row's result; each
-row carries its own next position id, so absolute-position models (GPT-2) see the same positions
-as when the row runs alone. Tensors are `[batch, heads, width, head_dim]` per layer, as in
-`transformers.cache_utils.DynamicLayer`.
+Each layer's `keys` and `values` are views `[rows, heads, start:end, head_dim]` of its buffers,
+which is what attention reads (SDPA takes the strided view as is). Columns a row does not use
+hold zeros or stale keys of an earlier row, always finite, and are masked, so they never change
+a row's result; each row carries its own next position id, so absolute-position models (GPT-2)
+see the same positions as when the row runs alone.
 """
 
 from __future__ import annotations
@@ -24,23 +27,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["KVBatch", "cache_bytes", "merge"]
+__all__ = ["KVBatch", "WindowCache", "WindowLayer", "cache_bytes", "merge"]
+
+# Spare columns on each side and spare rows a fresh buffer gets; growth doubles them.
+_SPARE_COLS = 64
+_SPARE_ROWS = 8
 
 
-def _layers(cache: Any) -> list[Any]:
+def _plain_layers(cache: Any) -> list[Any]:
     layers: list[Any] = cache.layers
     for layer in layers:
         if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
             raise ValueError(
                 f"unsupported KV cache layer {type(layer).__name__}: only full-attention "
-                "dynamic layers can be merged and filtered"
+                "layers can be merged and filtered"
             )
     return layers
 
 
 def cache_bytes(cache: Any) -> int:
-    """Bytes held by the keys and values of every layer of `cache`."""
+    """Bytes of the keys and values of every layer of `cache` that rows use now (padding
+    columns included; a preallocated buffer's headroom is counted by `reserved_bytes`)."""
     total = 0
     for layer in cache.layers:
         for t in (layer.keys, layer.values):
@@ -49,18 +58,188 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+class WindowLayer(DynamicLayer):
+    """One layer's keys and values in preallocated buffers; `keys`/`values` are the window.
+
+    The buffers are `[row_capacity, heads, col_capacity, head_dim]`; rows `[0, rows)` and
+    columns `[start, end)` are in use. Only the engine's worker thread touches it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+        self.rows = 0
+        self.start = 0
+        self.end = 0
+
+    # ------------------------------------------------------------------ geometry
+
+    @property
+    def width(self) -> int:
+        """Columns in the window."""
+        return self.end - self.start
+
+    def reserved_bytes(self) -> int:
+        """Bytes of both buffers, headroom included."""
+        if self.kbuf is None or self.vbuf is None:
+            return 0
+        return (self.kbuf.numel() + self.vbuf.numel()) * self.kbuf.element_size()
+
+    def _view(self) -> None:
+        assert self.kbuf is not None and self.vbuf is not None
+        self.keys = self.kbuf[: self.rows, :, self.start : self.end]
+        self.values = self.vbuf[: self.rows, :, self.start : self.end]
+        self.is_initialized = True
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start from `keys`/`values` `[rows, heads, width, dim]` (copied into new buffers)."""
+        rows, heads, width, kdim = keys.shape
+        self.device = keys.device
+        self.kbuf = keys.new_zeros((rows + _SPARE_ROWS, heads, width + 2 * _SPARE_COLS, kdim))
+        shape_v = (rows + _SPARE_ROWS, heads, width + 2 * _SPARE_COLS, values.shape[-1])
+        self.vbuf = values.new_zeros(shape_v)
+        self.rows, self.start, self.end = rows, _SPARE_COLS, _SPARE_COLS + width
+        self.kbuf[:rows, :, self.start : self.end] = keys
+        self.vbuf[:rows, :, self.start : self.end] = values
+        self._view()
+
+    def reserve(self, rows: int, left: int, right: int) -> None:
+        """Make room for `rows` rows, `left` columns before the window and `right` after it;
+        when the buffer is too small it is reallocated with doubled headroom (one copy)."""
+        assert self.kbuf is not None and self.vbuf is not None
+        cap_rows, cap_cols = self.kbuf.shape[0], self.kbuf.shape[2]
+        if rows <= cap_rows and left <= self.start and self.end + right <= cap_cols:
+            return
+        width = self.width
+        new_rows = max(rows, cap_rows if rows <= cap_rows else 2 * cap_rows)
+        new_left = max(left, _SPARE_COLS) if left > self.start else self.start
+        room = cap_cols - self.end
+        new_right = max(right, room if self.end + right <= cap_cols else 2 * (width + right))
+        new_cols = new_left + width + new_right
+        for name in ("kbuf", "vbuf"):
+            old: torch.Tensor = getattr(self, name)
+            new = old.new_zeros((new_rows, old.shape[1], new_cols, old.shape[3]))
+            new[: self.rows, :, new_left : new_left + width] = old[
+                : self.rows, :, self.start : self.end
+            ]
+            setattr(self, name, new)
+        self.start, self.end = new_left, new_left + width
+        self._view()
+
+    # ------------------------------------------------------------------ what the model calls
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new columns in place after the window; returns the grown window."""
+        if self.kbuf is None:
+            self.adopt(key_states, value_states)
+            return self._window()
+        if key_states.shape[0] != self.rows:
+            raise RuntimeError(
+                f"bug: {key_states.shape[0]} rows written to a {self.rows}-row cache"
+            )
+        n = key_states.shape[2]
+        self.reserve(self.rows, 0, n)
+        assert self.kbuf is not None and self.vbuf is not None
+        self.kbuf[: self.rows, :, self.end : self.end + n] = key_states
+        self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
+        self.end += n
+        self._view()
+        return self._window()
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    # ------------------------------------------------------------------ batch surgery
+
+    def keep_rows(self, idx: torch.Tensor, prefix: bool) -> None:
+        """Keep rows `idx` (in order) at the front; `prefix` when they already are rows 0..n-1."""
+        n = int(idx.numel())
+        if not prefix:
+            assert self.kbuf is not None and self.vbuf is not None
+            for buf in (self.kbuf, self.vbuf):
+                win = buf[: self.rows, :, self.start : self.end]
+                buf[:n, :, self.start : self.end] = win.index_select(0, idx)
+        self.rows = n
+        self._view()
+
+    def drop_leading(self, cols: int) -> None:
+        """Columns `[start, start + cols)` are padding in every row: leave them out."""
+        self.start += cols
+        self._view()
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add rows right-aligned at the window's end, growing the window to the left if they
+        are wider than it."""
+        n, width = keys.shape[0], keys.shape[2]
+        grow = max(0, width - self.width)
+        self.reserve(self.rows + n, grow, 0)
+        assert self.kbuf is not None and self.vbuf is not None
+        self.start -= grow
+        # New rows' columns before their own prompt keep whatever finite values are there
+        # (zeros or an earlier row's keys): masked.
+        self.kbuf[self.rows : self.rows + n, :, self.end - width : self.end] = keys
+        self.vbuf[self.rows : self.rows + n, :, self.end - width : self.end] = values
+        self.rows += n
+        self._view()
+
+
+class WindowCache(Cache):
+    """A transformers `Cache` of `WindowLayer`s: what the running decode batch feeds the model."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[WindowLayer() for _ in range(num_layers)])
+
+    def window_layers(self) -> list[WindowLayer]:
+        """The layers, typed."""
+        return [layer for layer in self.layers if isinstance(layer, WindowLayer)]
+
+    def reserved_bytes(self) -> int:
+        """Bytes of every layer's buffers, headroom included."""
+        return sum(layer.reserved_bytes() for layer in self.window_layers())
+
+
+def _leading_padding(mask: torch.Tensor) -> int:
+    """Leading columns of `mask` that are padding in every row."""
+    used = mask.any(dim=0).nonzero()
+    return int(used[0]) if used.numel() else int(mask.shape[1])
+
+
+def _to_window(cache: Any, first: int) -> WindowCache:
+    """Copy a prefill cache (any full-attention layers) from column `first` on into buffers."""
+    if isinstance(cache, WindowCache):
+        for wl in cache.window_layers():
+            wl.drop_leading(first)
+        return cache
+    layers = _plain_layers(cache)
+    window = WindowCache(len(layers))
+    for src, dst in zip(layers, window.window_layers(), strict=True):
+        dst.adopt(src.keys[:, :, first:], src.values[:, :, first:])
+    return window
+
+
 @dataclass
 class KVBatch:
     """A right-aligned batch: the cache, its `[batch, width]` mask, and per-row decode inputs.
 
     `next_pos[i]` is the position id of the next token row `i` feeds (its real length so far);
-    `last[i]` is that token. `width` equals the longest row after `trim()`.
+    `last[i]` is that token. `width` equals the longest row after `trim()`. A cache given in
+    another form (a prefill's `DynamicCache`) is copied into a `WindowCache` on creation.
     """
 
-    cache: Any  # transformers DynamicCache
+    cache: Any  # WindowCache once constructed
     mask: torch.Tensor  # [B, W] int64, 1 = real token
     next_pos: torch.Tensor  # [B] int64
     last: torch.Tensor  # [B] int64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, WindowCache):
+            first = _leading_padding(self.mask) if self.rows else 0
+            self.cache = _to_window(self.cache, first)
+            self.mask = self.mask[:, first:]
 
     @property
     def rows(self) -> int:
@@ -78,19 +257,27 @@ class KVBatch:
         return int(self.mask.sum())
 
     def nbytes(self) -> int:
-        """Bytes of the cached keys and values (padding columns included)."""
+        """Bytes of the cached keys and values in use (padding columns included)."""
         return cache_bytes(self.cache)
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the preallocated buffers, headroom included."""
+        reserved: int = self.cache.reserved_bytes()
+        return reserved
+
+    def _layers(self) -> list[WindowLayer]:
+        layers: list[WindowLayer] = self.cache.window_layers()
+        return layers
 
     def select(self, keep: list[int]) -> None:
         """Keep only rows `keep` (in that order), then drop all-padding leading columns."""
         if keep == list(range(self.rows)):
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        for layer in _layers(self.cache):
-            if layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
-        self.mask = self.mask.index_select(0, idx)
+        prefix = keep == list(range(len(keep)))
+        for layer in self._layers():
+            layer.keep_rows(idx, prefix)
+        self.mask = self.mask[: len(keep)] if prefix else self.mask.index_select(0, idx)
         self.next_pos = self.next_pos.index_select(0, idx)
         self.last = self.last.index_select(0, idx)
         self.trim()
@@ -99,15 +286,40 @@ class KVBatch:
         """Drop leading columns that are padding in every row (rows stay right-aligned)."""
         if self.rows == 0:
             return
-        used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else self.width
+        first = _leading_padding(self.mask)
         if first == 0:
             return
-        for layer in _layers(self.cache):
-            if layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys[:, :, first:, :].contiguous()
-                layer.values = layer.values[:, :, first:, :].contiguous()
+        for layer in self._layers():
+            layer.drop_leading(first)
         self.mask = self.mask[:, first:]
+
+    def join(
+        self, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        """Append the rows of a prefilled block (`cache` with any full-attention layers, its
+        left-padded `mask`), copying their keys and values into this batch's buffers once."""
+        first = _leading_padding(mask)
+        mask = mask[:, first:]
+        src = _plain_layers(cache)
+        dst = self._layers()
+        if len(src) != len(dst):
+            raise RuntimeError(f"bug: merging caches with {len(dst)} and {len(src)} layers")
+        for x, y in zip(dst, src, strict=True):
+            x.append_rows(y.keys[:, :, first:], y.values[:, :, first:])
+        width = max(self.width, int(mask.shape[1]))
+        both = self.mask.new_zeros((self.rows + int(mask.shape[0]), width))
+        both[: self.rows, width - self.width :] = self.mask
+        both[self.rows :, width - int(mask.shape[1]) :] = mask
+        self.mask = both
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.last = torch.cat([self.last, last])
+
+    def rollback(self) -> None:
+        """Undo the writes of a decode step that failed part-way (some layers appended their
+        column, others not): every layer's window ends at the mask's width again."""
+        for layer in self._layers():
+            layer.end = layer.start + self.width
+            layer._view()
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [B,1], attention mask [B,W+1], position ids [B,1]) for one decode step."""
@@ -121,39 +333,12 @@ class KVBatch:
         self.last = tokens
 
 
-def _pad_left(batch: KVBatch, width: int) -> None:
-    extra = width - batch.width
-    if extra <= 0:
-        return
-    for layer in _layers(batch.cache):
-        k, v = layer.keys, layer.values
-        pad_k = k.new_zeros((k.shape[0], k.shape[1], extra, k.shape[3]))
-        pad_v = v.new_zeros((v.shape[0], v.shape[1], extra, v.shape[3]))
-        layer.keys = torch.cat([pad_k, k], dim=2)
-        layer.values = torch.cat([pad_v, v], dim=2)
-    pad_m = batch.mask.new_zeros((batch.rows, extra))
-    batch.mask = torch.cat([pad_m, batch.mask], dim=1)
-
-
 def merge(a: KVBatch | None, b: KVBatch) -> KVBatch:
     """Rows of `a` followed by rows of `b`, in one right-aligned batch (`a` may be None).
 
-    Both caches are modified in place (padded); the result reuses `a`'s cache object.
+    `b`'s rows are copied into `a`'s buffers (which may grow); the result is `a`.
     """
     if a is None or a.rows == 0:
         return b
-    la, lb = _layers(a.cache), _layers(b.cache)
-    if len(la) != len(lb):
-        raise RuntimeError(f"bug: merging caches with {len(la)} and {len(lb)} layers")
-    width = max(a.width, b.width)
-    _pad_left(a, width)
-    _pad_left(b, width)
-    for x, y in zip(la, lb, strict=True):
-        x.keys = torch.cat([x.keys, y.keys], dim=0)
-        x.values = torch.cat([x.values, y.values], dim=0)
-    return KVBatch(
-        cache=a.cache,
-        mask=torch.cat([a.mask, b.mask], dim=0),
-        next_pos=torch.cat([a.next_pos, b.next_pos]),
-        last=torch.cat([a.last, b.last]),
-    )
+    a.join(b.cache, b.mask, b.next_pos, b.last)
+    return a

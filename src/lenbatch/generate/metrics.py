@@ -95,6 +95,13 @@ class LMMetrics:
             "Admitted sequences waiting for prefill",
             registry=r,
         )
+        self.oom = Counter(
+            "lenbatch_llm_out_of_memory",
+            "Units that ran out of memory (split and retried), by kind",
+            ["kind"],
+            registry=r,
+        )
+        self._oom = {"prefill": 0, "decode": 0}
         self._ttft: deque[float] = deque(maxlen=_WINDOW)
         self._stages: dict[str, deque[float]] = {s: deque(maxlen=_WINDOW) for s in STAGES}
         self._itl: deque[float] = deque(maxlen=_WINDOW)
@@ -102,6 +109,9 @@ class LMMetrics:
         self._tokens = 0
         self._decode_real = 0
         self._decode_padded = 0
+        self._step_s = {"prefill": 0.0, "decode": 0.0}
+        self._step_n = {"prefill": 0, "decode": 0}
+        self._decode_rows = 0
         self._kv = {"bytes": 0, "real_bytes": 0, "peak_bytes": 0}
 
     def record_first_token(self, ttft: float, stages: Mapping[str, float]) -> None:
@@ -130,12 +140,20 @@ class LMMetrics:
         """One unit ran; for decode steps `real` / `padded` are attended cache columns."""
         self.steps.labels(kind).inc()
         self.step_time.labels(kind).observe(compute_s)
+        self._step_s[kind] = self._step_s.get(kind, 0.0) + compute_s
+        self._step_n[kind] = self._step_n.get(kind, 0) + 1
         if kind == "decode":
+            self._decode_rows += rows
             self.decode_rows.observe(rows)
             self.kv_real.inc(real)
             self.kv_padded.inc(padded)
             self._decode_real += real
             self._decode_padded += padded
+
+    def record_oom(self, kind: str) -> None:
+        """A unit of `kind` ran out of memory (it is split and retried)."""
+        self.oom.labels(kind).inc()
+        self._oom[kind] = self._oom.get(kind, 0) + 1
 
     def set_state(
         self, kv_bytes: int, kv_real_bytes: int, kv_peak: int, running: int, pending: int
@@ -169,6 +187,17 @@ class LMMetrics:
             if self._decode_padded
             else 0.0,
             "kv_cache": dict(self._kv),
+            "out_of_memory": dict(self._oom),
+            "steps": {
+                kind: {
+                    "count": n,
+                    "mean_forward_ms": 1000 * self._step_s[kind] / n if n else None,
+                }
+                for kind, n in self._step_n.items()
+            },
+            "decode_mean_rows": self._decode_rows / self._step_n["decode"]
+            if self._step_n["decode"]
+            else None,
         }
 
 

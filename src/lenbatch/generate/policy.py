@@ -64,7 +64,7 @@ class StaticPolicy:
         """Prefill a waiting batch in one pass, else decode."""
         if core.jobs:
             job = core.jobs[0]
-            return Unit("prefill", job, job.remaining)
+            return Unit("prefill", job, min(job.remaining, job.max_cols or job.remaining))
         if core.running_rows:
             return Unit("decode")
         return None
@@ -88,6 +88,8 @@ class ContinuousPolicy:
             job = core.jobs[0]
             budget = self.step_tokens - core.running_rows
             cols = max(1, budget // job.rows)
+            if job.max_cols is not None:
+                cols = min(cols, job.max_cols)
             return Unit("prefill", job, min(cols, job.remaining))
         if core.running_rows:
             return Unit("decode")

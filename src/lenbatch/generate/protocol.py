@@ -11,7 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from lenbatch.core.errors import BadInput
 from lenbatch.generate.sampling import SamplingParams
@@ -19,6 +20,8 @@ from lenbatch.generate.sequence import Sequence as GenSequence
 
 __all__ = [
     "MAX_STOP",
+    "SEED_MAX",
+    "SEED_MIN",
     "ChatMessage",
     "ChatRequest",
     "CommonOptions",
@@ -30,6 +33,8 @@ __all__ = [
 ]
 
 MAX_STOP = 4
+# Seeds are 64-bit signed integers, as in vLLM (torch.Generator takes no wider value).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
@@ -51,7 +56,11 @@ class CommonOptions(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(
+        None,
+        description="Seed for sampling: a 64-bit signed integer.",
+        json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX},
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = 0.0
@@ -59,6 +68,20 @@ class CommonOptions(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: str | None = None
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_in_range(cls, value: Any) -> Any:
+        # Checked before pydantic's own int parsing so the message states the whole range;
+        # a wider seed would overflow torch.Generator.manual_seed (a 500 before this check).
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if is_int and not SEED_MIN <= value <= SEED_MAX:
+            raise PydanticCustomError(
+                "seed_range",
+                "must be an integer in [{lo}, {hi}]",
+                {"lo": SEED_MIN, "hi": SEED_MAX},
+            )
+        return value
 
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""

@@ -48,6 +48,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(
+                f"seed must be an integer in [{-(2**63)}, {2**63 - 1}], got {self.seed}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
@@ -87,8 +91,10 @@ def choose_tokens(
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
-            # Keep a token while the mass before it is below top_p (the top token always stays).
+            # Keep a token while the mass before it is below top_p; the top token always stays
+            # (set explicitly: a top_p below float32's smallest value would round to 0).
             keep = (cum - sorted_p) < p.top_p
+            keep[0] = True
             sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
             pick = torch.multinomial(sorted_p, 1, generator=gen)
             out.append(int(order[pick]))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -34,7 +34,7 @@ from lenbatch.core.errors import RunnerCrashed
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo, RunnerMemory
 from lenbatch.runners.fake import FakeRunner
 
-__all__ = ["FaultyRunner", "PoisonInput", "runner_from_spec"]
+__all__ = ["FaultyCausalRunner", "FaultyRunner", "PoisonInput", "runner_from_spec"]
 
 
 class PoisonInput(ValueError):
@@ -108,6 +108,47 @@ class FaultyRunner:
                     self._count("poison")
                     raise PoisonInput(f"injected poison in row {row} of {len(batch.lengths)}")
         return self.inner.embed(batch)
+
+
+class FaultyCausalRunner:
+    """Wraps a causal-LM runner; its `forward` runs out of memory on purpose.
+
+    A prefill call (more than one column) over more than `oom_prefill_tokens` input tokens
+    (rows x columns) raises `MemoryError` before running, so its cache is untouched. A decode
+    step (one column) of more than `oom_decode_rows` rows runs the inner forward first, so the
+    cache holds the step's new column as a step failing in a late layer leaves it, then raises.
+    Everything else passes through to `inner`. For tests.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        oom_prefill_tokens: int | None = None,
+        oom_decode_rows: int | None = None,
+    ) -> None:
+        self.inner = inner
+        self.oom_prefill_tokens = oom_prefill_tokens
+        self.oom_decode_rows = oom_decode_rows
+        self.faults: dict[str, int] = {}
+        self.calls: list[tuple[int, int]] = []  # (rows, columns) of forward calls that ran
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
+        """The inner forward, or an injected out-of-memory error (see the class doc)."""
+        rows, cols = int(input_ids.shape[0]), int(input_ids.shape[1])
+        limit = self.oom_prefill_tokens
+        if cols > 1 and limit is not None and rows * cols > limit:
+            self.faults["prefill_oom"] = self.faults.get("prefill_oom", 0) + 1
+            raise MemoryError(f"injected: prefill of {rows}x{cols} tokens > {limit}")
+        if cols == 1 and self.oom_decode_rows is not None and rows > self.oom_decode_rows:
+            self.inner.forward(input_ids, mask, positions, cache)  # the cache is written
+            self.faults["decode_oom"] = self.faults.get("decode_oom", 0) + 1
+            raise MemoryError(f"injected: decode step of {rows} rows > {self.oom_decode_rows}")
+        self.calls.append((rows, cols))
+        return self.inner.forward(input_ids, mask, positions, cache)
 
 
 _SPEC_KEYS = {
