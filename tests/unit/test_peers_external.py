@@ -19,7 +19,7 @@ from lenbatch.replay.peers.external import PeerContext, PeerLaunch, PeerVenv, Ve
 from lenbatch.replay.peers.infinity import INFINITY
 from lenbatch.replay.peers.llamacpp import LLAMACPP, cpu_has_amx
 from lenbatch.replay.peers.registry import EXTERNAL_PEERS, external_peer
-from lenbatch.replay.peers.vllm import VLLM, VLLM_ALL_CORES
+from lenbatch.replay.peers.vllm import VLLM, VLLM_ALL_CORES, VLLM_BF16
 
 FAKE_SERVER = Path(__file__).with_name("fake_peer_server.py")
 
@@ -111,6 +111,10 @@ def test_vllm_launch_default_binding_and_all_cores(tmp_path: Path) -> None:
     both = VLLM_ALL_CORES.launch(ctx)
     assert both.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert any("0-1" in n for n in both.notes)
+    assert _arg(one.argv, "--dtype") == _arg(both.argv, "--dtype") == "float32"
+    bf16 = VLLM_BF16.launch(ctx)
+    assert _arg(bf16.argv, "--dtype") == "bfloat16"
+    assert bf16.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_llamacpp_serves_the_gguf_file_on_loopback(tmp_path: Path) -> None:

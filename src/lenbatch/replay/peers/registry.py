@@ -25,6 +25,7 @@ EXTERNAL_PEERS = {
     "infinity": "lenbatch.replay.peers.infinity:INFINITY",
     "vllm": "lenbatch.replay.peers.vllm:VLLM",
     "vllm-allcores": "lenbatch.replay.peers.vllm:VLLM_ALL_CORES",
+    "vllm-bf16": "lenbatch.replay.peers.vllm:VLLM_BF16",
     "llamacpp": "lenbatch.replay.peers.llamacpp:LLAMACPP",
 }
 

