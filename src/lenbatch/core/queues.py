@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 
-from lenbatch.config import SchedulerConfig, Strategy
+from lenbatch.config import SchedulerConfig
 from lenbatch.core.request import Request
 
 __all__ = ["Queues"]
@@ -27,7 +27,7 @@ class Queues:
         self.inflight: list[int] = [0] * len(cfg.lanes)
         self.inflight_total = 0
         self.size = 0
-        self._bucketed = cfg.strategy is Strategy.BUCKETED
+        self._bucketed = cfg.strategy.bucketed
         self._bounds = cfg.boundaries
 
     def lane_of(self, length: int) -> int:
