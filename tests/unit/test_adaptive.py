@@ -279,9 +279,7 @@ def test_aging_bounds_the_low_levels_wait_under_a_high_level_flood() -> None:
     """A steady flood of level-1 requests would starve a level-0 one; aging runs it once it has
     waited `aging`, and not much later (one batch)."""
     cfg = replace(_cfg(max_batch=4), slots=1)
-    policy = AdaptivePolicy(
-        level_slo=(100.0, 100.0), late_binding=False, merge=False, aging=0.5
-    )
+    policy = AdaptivePolicy(level_slo=(100.0, 100.0), late_binding=False, merge=False, aging=0.5)
     st = AdaptiveState(policy, OnlineCostModel(TRUE), cfg)
     q = Queues(cfg)
     low = _arrive(q, st, 50, 0.0, priority=0)

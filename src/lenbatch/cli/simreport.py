@@ -112,7 +112,7 @@ class SimContext:
         t = map_trace(self.trace, rate_scale=scale) if scale != 1.0 else self.trace
         return simulate(
             t, self.cost, batching, self.settings.admission, max_length=self.max_length,
-            truncate=self.truncate,
+            truncate=self.truncate, adaptive=self.settings.adaptive,
         )  # fmt: skip
 
     def header(self) -> str:

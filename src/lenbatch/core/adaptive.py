@@ -15,7 +15,9 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
-3. **Late binding** (`late_binding`): a lane short of its target waits to fill, while (a) one
+3. **Late binding** (`late_binding`): once the runner would be busy `fill_load` of the time
+   serving requests one by one (below that there is model time to spare and waiting only
+   adds latency), a lane short of its target waits to fill, while (a) one
    more request raises real tokens per model-second by `fill_gain` and (b) its latest feasible
    start (`min due - t(B, L) - ahead`) is not reached. The target is the largest `b` with
    `t(b, L) + (b - 1) / rate <= SLO / 2` (Nexus' rule, in padded tokens), filling no further
@@ -61,7 +63,8 @@ class AdaptivePolicy:
     min_wait: float = 0.0
     max_wait: float = 0.1
     late_binding: bool = True
-    fill_gain: float = 0.02
+    fill_gain: float = 0.1
+    fill_load: float = 0.7
     rate_window: float = 1.0
     merge: bool = True
     shed: ShedMode = ShedMode.REJECT_429
@@ -85,6 +88,7 @@ class AdaptivePolicy:
             max_wait=ac.max_wait_ms / 1000,
             late_binding=ac.late_binding,
             fill_gain=ac.fill_gain,
+            fill_load=ac.fill_above_load,
             rate_window=ac.rate_window_s,
             merge=ac.merge,
             shed=ac.shed,
@@ -249,13 +253,19 @@ class AdaptiveState:
                 return ordered[:limit]
         return list(islice(q, limit))
 
+    def load(self, now: float) -> float:
+        """The runner's busy share if every request ran alone: sum over lanes of arrival
+        rate x predicted time of one request of the lane's mean length."""
+        co = self.cost.coefficients
+        return sum(self.rate(i, now) * co.seconds(1, n) for i, n in enumerate(self._len))
+
     def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
         """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
         the SLO `slo`, filling only while one more row pays (`fill_gain`)."""
         pol = cfg.lanes[lane]
         pad = self._pad[lane]
         cap = max(1, min(pol.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
-        lam = self.rate(lane, now)
+        lam = self._rate[lane]  # as of the lane's last arrival: see `fill_window`
         if lam <= 0:
             return 1
         co = self.cost.coefficients
@@ -276,7 +286,9 @@ class AdaptiveState:
         """Seconds the lane's oldest request may wait for `target` rows: (target - 1) / rate,
         within [min_wait, max_wait]."""
         pol = self.policy
-        lam = self.rate(lane, now)
+        # The rate as of the lane's last arrival, not decayed to `now`: between arrivals the
+        # window stays put, so the timer set for its end finds the lane ready.
+        lam = self._rate[lane]
         raw = (target - 1) / lam if target > 1 and lam > 0 else 0.0
         return min(pol.max_wait, max(pol.min_wait, raw))
 
@@ -287,6 +299,9 @@ class AdaptiveState:
         pol = self.policy
         budget_tokens = cfg.max_batch_tokens
         free = cfg.slots - queues.inflight_total
+        # Filling a batch buys model time; below `fill_load` (the runner's busy share were
+        # every request run alone) there is time to spare, and waiting only adds latency.
+        fill = pol.late_binding and not self.draining and self.load(now) >= pol.fill_load
         while free > 0 and queues.size:
             busy = queues.inflight_total >= self.concurrency
             ahead = max(0.0, self.backlog_end - now) if busy else 0.0
@@ -308,7 +323,11 @@ class AdaptiveState:
                 real = 0
                 min_due = _INF
                 limited = False
+                dead: list[Request] = []
                 for r in window:
+                    if r.deadline is not None and r.deadline <= now:
+                        dead.append(r)  # past its hard deadline (timeout): 504, never run
+                        continue
                     new_pad = lp.pad_to or max(pad, r.length)
                     if len(members) >= cap or new_pad * (len(members) + 1) > budget_tokens:
                         limited = True
@@ -319,6 +338,9 @@ class AdaptiveState:
                         break
                     members.append(r)
                     pad, real, min_due = new_pad, real + r.length, new_due
+                if dead:
+                    d.expired.extend(dead)
+                    self._take(queues, dead)
                 if not members:
                     continue
                 n = len(members)
@@ -334,10 +356,11 @@ class AdaptiveState:
                 oldest = min(r.arrival for r in members)
                 ready = (
                     limited
-                    or not pol.late_binding
-                    or self.draining
+                    or not fill
                     or latest <= start
-                    or (not busy and (n >= target or now - oldest >= window_s))
+                    # `now >= oldest + window_s`, not `now - oldest >= ...`: the timer below
+                    # fires at exactly that sum, and must find the lane ready
+                    or (not busy and (n >= target or now >= oldest + window_s))
                 )
                 if not ready and not busy and not self._fill_pays(co, n, pad, real, i):
                     ready = True
@@ -489,6 +512,7 @@ class AdaptiveState:
             "slo_ms": [round(s * 1000, 3) for s in pol.level_slo],
             "switches": {
                 "late_binding": pol.late_binding,
+                "fill_above_load": pol.fill_load,
                 "merge": pol.merge,
                 "shed": pol.shed.value,
                 "priority_levels": pol.levels,
@@ -496,6 +520,7 @@ class AdaptiveState:
             "min_wait_ms": pol.min_wait * 1000,
             "max_wait_ms": pol.max_wait * 1000,
             "aging_ms": pol.aging * 1000,
+            "load": self.load(now),
             "lanes": [
                 {
                     "bucket": labels[i] if i < len(labels) else str(i),
