@@ -7,7 +7,12 @@ import logging
 import os
 from typing import Any
 
-from lenbatch.cli.common import add_batching_options, batching_overrides
+from lenbatch.cli.common import (
+    adaptive_overrides,
+    add_adaptive_options,
+    add_batching_options,
+    batching_overrides,
+)
 from lenbatch.config import DecodeMode, Settings, Strategy, load_settings
 
 log = logging.getLogger("lenbatch")
@@ -36,6 +41,13 @@ def register(sub: Any) -> None:
         help="batching strategy (default: bucketed)",
     )
     add_batching_options(p)
+    add_adaptive_options(p)
+    p.add_argument(
+        "--cost",
+        metavar="FILE",
+        help="adaptive: seed the online cost model from this profile (`lenbatch profile` or "
+        "`calibrate` JSON); without it the model starts from a generic CPU guess and learns",
+    )
     g = p.add_argument_group("text generation (causal LMs)")
     g.add_argument(
         "--decode-mode",
@@ -114,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "drain_timeout_s": args.drain_timeout,
         },
         "admission": {"request_timeout_s": args.request_timeout},
+        "adaptive": adaptive_overrides(args),
     }
     return load_settings(args.config, os.environ, overrides)
 
@@ -135,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     m = settings.model
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
+    if causal is not None and settings.batching.strategy is Strategy.ADAPTIVE:
+        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
     if causal is not None:
         from lenbatch.serving.http import serve_app
 
@@ -155,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         recovery=settings.recovery,
         default_truncate=m.truncate,
         length_log=length_log,
+        adaptive=settings.adaptive,
+        cost_prior=_cost_prior(args.cost),
     )
     log.info(
         "model %s: max_length=%d dim=%d padding=%s",
@@ -202,6 +219,18 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings), engine
+
+
+def _cost_prior(path: str | None) -> Any:
+    """The online cost model's prior from a profile file (None without one)."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from lenbatch.core.costfit import CostCoefficients
+
+    return CostCoefficients.from_profile(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def _log_precision(runner: Any) -> None:

@@ -10,7 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.cli.common import add_batching_options, batching_overrides, trace_from_args
+from lenbatch.cli.common import (
+    adaptive_overrides,
+    add_adaptive_options,
+    add_batching_options,
+    batching_overrides,
+    trace_from_args,
+)
 from lenbatch.config import BatchingConfig, Settings, load_settings
 from lenbatch.core.buckets import default_boundaries
 from lenbatch.plan.costmodel import CostModel
@@ -52,6 +58,7 @@ def add_sim_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml) as for serve")
     add_batching_options(p)
+    add_adaptive_options(p)
     p.add_argument(
         "--concurrency",
         type=int,
@@ -75,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             **batching_overrides(args),
             "max_concurrent_batches": args.concurrency,
         },
+        "adaptive": adaptive_overrides(args),
     }
     return load_settings(args.config, os.environ, overrides)
 

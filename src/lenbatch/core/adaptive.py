@@ -42,13 +42,13 @@ from itertools import islice
 from typing import Any
 
 from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
-from lenbatch.core.costfit import OnlineCostModel
+from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, Decision
 
-__all__ = ["AdaptivePolicy", "AdaptiveState", "check_slo", "derive_slo"]
+__all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "derive_slo"]
 
 _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
@@ -114,6 +114,24 @@ def check_slo(policy: AdaptivePolicy, cost: OnlineCostModel, longest: int) -> No
                 f"the cost model): no batch holding it could meet it. Raise slo_ms to at "
                 f"least {math.ceil(alone * 1000)} or lower the model's max_length"
             )
+
+
+def build_state(
+    ac: AdaptiveConfig,
+    prior: CostCoefficients | None,
+    cfg: SchedulerConfig,
+    *,
+    longest: int,
+    concurrency: int = 1,
+) -> AdaptiveState:
+    """The state an engine (or simulated run) starts with: an online cost model seeded from
+    `prior` (None: the generic prior), the SLO given or derived from it, and checked against
+    the longest admissible input (ValueError, saying why, when no batch could meet it)."""
+    model = OnlineCostModel(prior, ac.cost_window)
+    slo = ac.slo_ms / 1000 if ac.slo_ms is not None else derive_slo(model, longest)
+    policy = AdaptivePolicy.from_config(ac, slo)
+    check_slo(policy, model, longest)
+    return AdaptiveState(policy, model, cfg, concurrency=concurrency)
 
 
 class AdaptiveState:

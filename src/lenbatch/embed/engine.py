@@ -27,8 +27,16 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, RecoveryConfig
+from lenbatch.config import (
+    AdaptiveConfig,
+    AdmissionConfig,
+    BatchingConfig,
+    RecoveryConfig,
+    Strategy,
+)
+from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.clock import Clock
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.errors import (
     BadInput,
     LenbatchError,
@@ -73,6 +81,8 @@ class Engine(BaseEngine):
         clock: Clock | None = None,
         default_truncate: bool = False,
         length_log: LengthLog | None = None,
+        adaptive: AdaptiveConfig | None = None,
+        cost_prior: CostCoefficients | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -93,6 +103,19 @@ class Engine(BaseEngine):
         self.ledger = Ledger(self.clock, self.metrics, self.lane_labels, length_log)
         self.batches = BatchRunner(self, self._executor, self.batching.max_concurrent_batches)
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        ac = adaptive or AdaptiveConfig()
+        self.priority_levels = ac.priority_levels
+        # strategy adaptive: what it learns (cost model, arrival rates) lives here, the
+        # decisions are `core.adaptive`'s. Raises ValueError for an SLO no batch can meet.
+        self.adaptive: AdaptiveState | None = None
+        if lanes.cfg.strategy is Strategy.ADAPTIVE:
+            self.adaptive = build_state(
+                ac,
+                cost_prior,
+                lanes.cfg,
+                longest=self.admission.longest_admissible(),
+                concurrency=self.batching.max_concurrent_batches,
+            )
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -107,6 +130,8 @@ class Engine(BaseEngine):
         return await self.ledger.wait_idle(timeout)
 
     def _on_drain(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.draining = True  # nobody will join partial batches any more
         self.apply_caps()
 
     def _abandon(self, err: LenbatchError) -> None:
@@ -124,7 +149,19 @@ class Engine(BaseEngine):
         self.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
 
     def _extra_stats(self) -> dict[str, Any]:
-        return {"batch_caps": self.caps.describe(self.clock.now(), self.lane_labels)}
+        out: dict[str, Any] = {
+            "batch_caps": self.caps.describe(self.clock.now(), self.lane_labels),
+            "priority_levels": self.priority_levels,
+        }
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.describe(self.lane_labels, self.clock.now())
+        return out
+
+    def prometheus(self) -> bytes:
+        """Prometheus exposition (adaptive's gauges are read first, so the scrape shows them)."""
+        if self.adaptive is not None:
+            self.metrics.set_adaptive(self.adaptive.describe(self.lane_labels, self.clock.now()))
+        return super().prometheus()
 
     # ------------------------------------------------------------------ submitting
 
@@ -212,6 +249,12 @@ class Engine(BaseEngine):
         """
         if self.state is not EngineState.RUNNING:
             raise self.refusal()
+        if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
+            raise BadInput(
+                f"priority must be an integer in [0, {self.priority_levels - 1}] (higher runs "
+                f"first); got {priority!r}",
+                code="invalid_priority",
+            )
         ids = self._token_ids(inputs, truncate)
         truncate = self.default_truncate if truncate is None else truncate
         limit = self.info.max_length
@@ -224,15 +267,28 @@ class Engine(BaseEngine):
             raise refusal
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = None if timeout is None else now + timeout
+        ad = self.adaptive
+        due = None
+        if ad is not None:
+            due = ad.due_of(now, priority, timeout)
+            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now)
+            if shed is not None:
+                self.metrics.record_rejection(shed.code)
+                self.metrics.record_shed("admission")
+                raise shed
         loop = asyncio.get_running_loop()
         requests = []
         for x in seqs:
             ticket = Ticket(loop.create_future())
             r = Request(len(x), now, x, deadline=deadline, priority=priority, handle=ticket)
+            r.due = due
             if timeout is not None:
                 ticket.timer = loop.call_later(timeout, self._on_deadline, r)
-            self.queues.push(r)
+            lane = self.queues.push(r)
+            if ad is not None:
+                ad.on_arrival(lane, r.length, now)
             requests.append(r)
+        self.metrics.record_priority(priority, len(requests))
         self.ledger.admit(requests)
         self._kick()
         try:
@@ -268,9 +324,15 @@ class Engine(BaseEngine):
                 for lane in restored:
                     log.info("batch cap of bucket %s restored", self.lane_labels[lane])
                 self.apply_caps()
-            decision = schedule(self.queues, now, self.cfg)
+            decision = schedule(self.queues, now, self.cfg, self.adaptive)
             for r in decision.expired:
                 self.ledger.fail(r, self.expired_error(r))
+            if self.adaptive is not None:
+                for r in decision.shed:
+                    self.metrics.record_shed("queue")
+                    self.ledger.fail(r, self.adaptive.shed_error(r, now))
+                for src, dst in decision.merges:
+                    self.metrics.record_merge(src, dst)
             for batch in decision.batches:
                 task = asyncio.create_task(self._run_batch(batch))
                 self._batch_tasks.add(task)
@@ -283,7 +345,21 @@ class Engine(BaseEngine):
             await self.batches.run(batch)
         finally:
             self.queues.batch_done(batch.lane)
+            if self.adaptive is not None:
+                self._observe(batch)
             self._kick()
+
+    def _observe(self, batch: Batch) -> None:
+        """Feed the model calls this batch made (one, or more if it was split) to the online
+        cost model: members that ran together share their start and execution time."""
+        assert self.adaptive is not None
+        calls: dict[tuple[float, float], list[int]] = {}
+        for r in batch.requests:
+            t = r.handle
+            if t.started is not None and t.exec_s is not None:
+                calls.setdefault((t.started, t.exec_s), []).append(r.length)
+        for (_, exec_s), lengths in calls.items():
+            self.adaptive.observe_batch(batch.lane, len(lengths), max(lengths), exec_s)
 
     def crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""

@@ -51,9 +51,9 @@ from lenbatch.config import (
     SchedulerConfig,
     Strategy,
 )
-from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState, check_slo, derive_slo
+from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.admission import Admission
-from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
@@ -62,7 +62,7 @@ from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, summarize
 from lenbatch.plan.trace import Trace
 
-__all__ = ["LaneStats", "SimRun", "adaptive_state", "simulate"]
+__all__ = ["LaneStats", "SimRun", "simulate"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -246,7 +246,14 @@ def _replay(
 
     ad: AdaptiveState | None = None
     if cfg.strategy is Strategy.ADAPTIVE:
-        ad = adaptive_state(cost if adaptive_prior else None, adaptive_cfg, cfg, batching)
+        prior = CostCoefficients.from_profile(cost.to_json()) if adaptive_prior else None
+        ad = build_state(
+            adaptive_cfg,
+            prior,
+            cfg,
+            longest=Admission(adm_cfg, cfg).longest_admissible(),
+            concurrency=batching.max_concurrent_batches,
+        )
     arrive = ad.on_arrival if ad is not None else None
 
     runners_free = batching.max_concurrent_batches
@@ -440,22 +447,3 @@ def _replay(
         else ad.describe(list(lanes.labels), float(arrivals[-1]) if n else 0.0),
         slo_s=None if ad is None else ad.policy.level_slo[0],
     )
-
-
-def adaptive_state(
-    cost: CostModel | None,
-    adaptive: AdaptiveConfig,
-    cfg: SchedulerConfig,
-    batching: BatchingConfig,
-) -> AdaptiveState:
-    """The `adaptive` state the engine would start with: an online cost model seeded from
-    `cost` (None: the generic prior), the SLO given or derived from it, checked."""
-    prior = None
-    if cost is not None:
-        prior = CostCoefficients.from_profile(cost.to_json())
-    model = OnlineCostModel(prior, adaptive.cost_window)
-    longest = min(cfg.max_length, cfg.max_batch_tokens)
-    slo = adaptive.slo_ms / 1000 if adaptive.slo_ms is not None else derive_slo(model, longest)
-    policy = AdaptivePolicy.from_config(adaptive, slo)
-    check_slo(policy, model, longest)
-    return AdaptiveState(policy, model, cfg, concurrency=batching.max_concurrent_batches)
