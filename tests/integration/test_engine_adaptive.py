@@ -173,3 +173,31 @@ def test_priority_field_and_header_over_http(live_server: Any) -> None:
         metrics = httpx.get(f"{srv.url}/metrics").text
     assert stats["priority_levels"] == 2
     assert 'lenbatch_priority_requests_total{level="1"} 2.0' in metrics
+
+
+async def test_auto_boundaries_are_learnt_from_the_first_requests() -> None:
+    """`boundaries = "auto"` starts with one lane; after `refit_min_requests` lengths the
+    engine re-fits, swaps lanes with nothing lost, and reports the re-fit."""
+    runner = FakeRunner(max_length=128)
+    engine = Engine(
+        runner,
+        BatchingConfig(strategy="adaptive", boundaries="auto"),  # type: ignore[arg-type]
+        adaptive=AdaptiveConfig(slo_ms=10_000, refit_min_requests=20, refit_min_interval_s=0),
+    )
+    assert engine.cfg.boundaries == (128,)
+    await engine.start()
+    inputs = [_ids(n, i) for i, n in enumerate([5, 9, 12, 30, 33, 40] * 8)]
+    try:
+        first = await asyncio.gather(*(engine.embed([x]) for x in inputs[:24]))
+        rest = await asyncio.gather(*(engine.embed([x]) for x in inputs[24:]))
+        stats = engine.stats()
+        metrics = engine.prometheus().decode()
+    finally:
+        await engine.stop()
+    for x, (vec,) in zip(inputs, [*first, *rest], strict=True):
+        np.testing.assert_array_equal(vec, runner.vector(x))
+    assert stats["refit"]["refits"] >= 1
+    assert stats["boundaries"][-1] == 40 and len(stats["boundaries"]) > 1
+    assert stats["refit"]["events"][0]["old"] == [128]
+    assert f"lenbatch_refits_total {float(stats['refit']['refits'])}" in metrics
+    assert stats["unanswered"] == 0

@@ -150,6 +150,7 @@ class AdaptiveState:
         self.cost = cost
         self.concurrency = max(1, concurrency)
         self.draining = False  # flush: no waiting to fill
+        self.hold = False  # a lane swap is pending: emit nothing until the runner is idle
         self.backlog_end = -_INF  # predicted time the runner(s) finish what was emitted
         self.merges: dict[tuple[int, int], int] = {}
         self.shed_counts: dict[str, int] = {"admission": 0, "queue": 0}
@@ -313,6 +314,8 @@ class AdaptiveState:
     def schedule(self, queues: Queues, now: float, cfg: SchedulerConfig) -> Decision:
         """`schedule()` for strategy `adaptive` (see the module docstring)."""
         d = Decision()
+        if self.hold:
+            return d  # the swap happens once in-flight batches finish (their completion wakes)
         co = self.cost.coefficients
         pol = self.policy
         budget_tokens = cfg.max_batch_tokens

@@ -60,3 +60,5 @@ class Request(Generic[HandleT]):
     params: Any = None
     # `adaptive`: clock time its answer is due (arrival + its SLO); None: not set by the shell.
     due: float | None = None
+    # Set by the queues on push: the order requests were queued in (ties of arrival kept).
+    seq: int = 0

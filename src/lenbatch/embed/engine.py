@@ -43,6 +43,7 @@ from lenbatch.core.errors import (
 )
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
+from lenbatch.core.refit import Fitter, Refitter, optimal_bounds
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.batches import BatchRunner
@@ -83,6 +84,7 @@ class Engine(BaseEngine):
         length_log: LengthLog | None = None,
         adaptive: AdaptiveConfig | None = None,
         cost_prior: CostCoefficients | None = None,
+        fitter: Fitter | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -115,6 +117,21 @@ class Engine(BaseEngine):
                 lanes.cfg,
                 longest=self.admission.longest_admissible(),
                 concurrency=self.batching.max_concurrent_batches,
+            )
+        # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
+        self.refitter: Refitter | None = None
+        self._pending_bounds: tuple[int, ...] | None = None
+        if self.adaptive is not None and (ac.refit or self.batching.auto_boundaries):
+            co = self.adaptive.cost.coefficients
+            self.refitter = Refitter(
+                max_length=self.info.max_length,
+                sample=ac.refit_sample,
+                min_requests=ac.refit_min_requests,
+                min_interval=ac.refit_min_interval_s,
+                min_saving=ac.refit_min_saving,
+                buckets=ac.refit_buckets,
+                overhead_tokens=co.a / co.b if co.b > 0 else 80.0,
+                fit=fitter or optimal_bounds,
             )
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -155,6 +172,8 @@ class Engine(BaseEngine):
         }
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe(self.lane_labels, self.clock.now())
+        if self.refitter is not None:
+            out["refit"] = self.refitter.describe()
         return out
 
     def prometheus(self) -> bytes:
@@ -287,6 +306,8 @@ class Engine(BaseEngine):
             lane = self.queues.push(r)
             if ad is not None:
                 ad.on_arrival(lane, r.length, now)
+            if self.refitter is not None:
+                self.refitter.observe(r.length)
             requests.append(r)
         self.metrics.record_priority(priority, len(requests))
         self.ledger.admit(requests)
@@ -324,6 +345,8 @@ class Engine(BaseEngine):
                 for lane in restored:
                     log.info("batch cap of bucket %s restored", self.lane_labels[lane])
                 self.apply_caps()
+            if self.refitter is not None:
+                self._maybe_refit(now)
             decision = schedule(self.queues, now, self.cfg, self.adaptive)
             for r in decision.expired:
                 self.ledger.fail(r, self.expired_error(r))
@@ -339,6 +362,41 @@ class Engine(BaseEngine):
                 task.add_done_callback(self._batch_tasks.discard)
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
             await self._sleep_until_woken(decision.wake_at)
+
+    def _maybe_refit(self, now: float) -> None:
+        """Ask the re-fitter; once new boundaries are pending, hold new batches until the
+        runner is idle, then swap the lanes atomically (queued requests re-bucketed)."""
+        assert self.refitter is not None and self.adaptive is not None
+        if self._pending_bounds is None and self.state is EngineState.RUNNING:
+            self._pending_bounds = self.refitter.consider(now, self.cfg.boundaries)
+            self.adaptive.hold = self._pending_bounds is not None
+        if self._pending_bounds is None or self.queues.inflight_total:
+            return
+        old, new = self.cfg.boundaries, self._pending_bounds
+        self._pending_bounds = None
+        batching = self.batching.model_copy(update={"boundaries": new, "auto_boundaries": False})
+        lanes = resolve_lanes(batching, self.info.max_length)
+        self.batching = batching
+        self.queues.rebucket(lanes.cfg)
+        self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
+        self.lane_labels[:] = lanes.labels
+        self.ledger.lane_labels = self.lane_labels
+        self.admission.sched = lanes.cfg
+        self.uses_default_boundaries = False
+        self.metrics.record_refit(self.lane_labels)
+        self.adaptive.reset_lanes(lanes.cfg)
+        self.adaptive.hold = False
+        self.apply_caps()
+        ev = self.refitter.events[-1]
+        log.info(
+            "re-fit: boundaries %s -> %s (drift KS %s, predicted saving %.1f%%, %d queued "
+            "requests re-bucketed)",
+            list(old),
+            list(new),
+            "n/a" if ev.ks is None else f"{ev.ks:.3f}",
+            100 * ev.saving,
+            self.queues.size,
+        )
 
     async def _run_batch(self, batch: Batch) -> None:
         try:
