@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-## serve the default model (all-MiniLM-L6-v2) on 127.0.0.1:8000 with buckets tuned on the dev
-## trace (configs/minilm-azure-conv.toml); extra flags via ARGS="..."
+## serve the default model (all-MiniLM-L6-v2) on 127.0.0.1:8000 with strategy adaptive (1 s SLO,
+## cost model seeded from the bundled CPU profile; no trace-specific config: it won the live runs
+## in bench/results/adaptive.md); extra flags via ARGS="..."
 serve: $(STAMP)
-	$(BIN)/lenbatch serve --config configs/minilm-azure-conv.toml $(ARGS)
+	$(BIN)/lenbatch serve --strategy adaptive --slo-ms 1000 --cost bench/results/cost_minilm_cpu.json $(ARGS)
 
 ## lint, type-check and run every test
 test: lint typecheck unit

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, Strategy
+from lenbatch.config import AdaptiveConfig, AdmissionConfig, BatchingConfig, ShedMode, Strategy
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.oracle import oracle, oracle_for
 from lenbatch.plan.sim import simulate
@@ -88,7 +88,8 @@ def test_oracle_is_never_below_any_strategy(rate: float) -> None:
     o = oracle_for(lengths, COST, cfg)
     for s in Strategy:
         run = simulate(t, COST, cfg.model_copy(update={"strategy": s}),
-                       AdmissionConfig(max_queue_total=n))  # fmt: skip
+                       AdmissionConfig(max_queue_total=n),
+                       adaptive=AdaptiveConfig(shed=ShedMode.LATE))  # fmt: skip
         summ = run.summary()
         assert summ["completed"] == n
         assert summ["throughput_rps"] <= o.throughput_rps

@@ -63,3 +63,31 @@ def test_bad_scenario_is_a_clear_error() -> None:
         build_scenario("flood", POOLS, rate=1, duration_s=1)
     with pytest.raises(ValueError, match="positive"):
         build_scenario("mixed", POOLS, rate=0, duration_s=1)
+
+
+def test_swing_and_onoff_follow_their_load_phases() -> None:
+    """swing: the middle third carries ~16x the rate of the outer ones (over 5x once the trace
+    is shifted to start at 0); onoff: the first 30 % of each period ~30x the rest's."""
+    t = build_scenario("swing", POOLS, rate=40, duration_s=60, seed=4)
+    assert t.arrivals is not None
+    n = np.histogram(t.arrivals, bins=[0, 20, 40, 60.001])[0]
+    assert n[1] > 5 * max(n[0], n[2], 1)
+    t = build_scenario("onoff", POOLS, rate=40, duration_s=60, seed=4)
+    assert t.arrivals is not None
+    on = (t.arrivals % 5.0) < 1.5
+    assert on.sum() / 1.5 > 10 * (~on).sum() / 3.5
+
+
+def test_drift_moves_from_short_to_long_halfway() -> None:
+    """drift: few speech-length inputs before the middle, about 40 % after."""
+    t = build_scenario("drift", POOLS, rate=40, duration_s=60, seed=5)
+    assert t.arrivals is not None
+    first = t.arrivals < 30
+    assert float(np.mean(t.input_lengths[first] >= 2000)) < 0.02
+    assert 0.3 < float(np.mean(t.input_lengths[~first] >= 2000)) < 0.5
+
+
+def test_bimodal_is_half_short_half_speech() -> None:
+    t = build_scenario("bimodal", POOLS, rate=40, duration_s=30, seed=6)
+    assert 0.4 < float(np.mean(t.input_lengths >= 2000)) < 0.6
+    assert float(np.mean((t.input_lengths >= 60) & (t.input_lengths < 2000))) == 0.0

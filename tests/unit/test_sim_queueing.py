@@ -11,7 +11,8 @@ import lenbatch.core.scheduler
 import lenbatch.embed.engine
 import lenbatch.plan.sim
 import lenbatch.serving.lifecycle
-from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.config import AdaptiveConfig, BatchingConfig, Strategy
+from lenbatch.core.adaptive import build_state
 from lenbatch.core.admission import Admission
 from lenbatch.core.errors import LenbatchError
 from lenbatch.core.lanes import resolve_lanes
@@ -34,6 +35,7 @@ def test_engine_and_simulator_use_the_same_scheduling_objects() -> None:
     assert lenbatch.embed.engine.schedule is lenbatch.core.scheduler.schedule
     assert lenbatch.plan.sim.Queues is lenbatch.serving.lifecycle.Queues  # the engines' base
     assert lenbatch.plan.sim.Admission is lenbatch.serving.lifecycle.Admission
+    assert lenbatch.plan.sim.build_state is lenbatch.embed.engine.build_state  # adaptive's
 
 
 def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,8 +43,10 @@ def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyP
     emitted = []
     real = lenbatch.core.scheduler.schedule
 
-    def spy(queues: Queues, now: float, cfg: lenbatch.config.SchedulerConfig) -> Decision:
-        d = real(queues, now, cfg)
+    def spy(
+        queues: Queues, now: float, cfg: lenbatch.config.SchedulerConfig, ad: object = None
+    ) -> Decision:
+        d = real(queues, now, cfg, ad)  # type: ignore[arg-type]
         emitted.extend(len(b.requests) for b in d.batches)
         return d
 
@@ -58,13 +62,16 @@ def test_schedule_is_empty_without_work_or_free_slot(strategy: Strategy) -> None
     """The simulator skips `schedule()` in exactly these two states; it must decide nothing
     there (no batch, no expiry, no timer), or the shortcut would change the simulation."""
     cfg = resolve_lanes(BatchingConfig(strategy=strategy, max_wait_ms=0), 256).cfg
+    ad = None
+    if strategy is Strategy.ADAPTIVE:
+        ad = build_state(AdaptiveConfig(), None, cfg, longest=256)
     q = Queues(cfg)
-    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg) == Decision()
+    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg, ad) == Decision()
     for _ in range(cfg.slots):
         q.batch_started(q.lane_of(10))
     for n in (10, 100, 200):
         q.push(Request(n, 0.0, deadline=1.0))
-    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg) == Decision()
+    assert lenbatch.core.scheduler.schedule(q, 5.0, cfg, ad) == Decision()
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:

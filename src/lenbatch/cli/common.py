@@ -11,6 +11,8 @@ from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
 __all__ = [
+    "adaptive_overrides",
+    "add_adaptive_options",
     "add_batching_options",
     "add_trace_options",
     "batching_overrides",
@@ -30,14 +32,22 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
+def boundaries_arg(text: str) -> list[int] | str:
+    """`32,64,128`, or `auto` (learn them online; strategy adaptive) (an argparse type)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return int_list(text)
+
+
 def add_batching_options(p: argparse.ArgumentParser) -> None:
     """The batching flags that override a config file (strategy is added by each command)."""
     p.add_argument(
         "--boundaries",
-        type=int_list,
+        type=boundaries_arg,
         metavar="B1,B2,...",
         help="bucket upper bounds in tokens, e.g. 32,64,128 (default: the "
-        "model's default; fit your own with `lenbatch fit`)",
+        "model's default; fit your own with `lenbatch fit`), or 'auto' (adaptive: learn "
+        "them from the traffic)",
     )
     p.add_argument("--max-batch", type=int, help="most requests per batch (default 32)")
     p.add_argument(
@@ -48,6 +58,49 @@ def add_batching_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="batch token budget: size x padded length (default 8192)",
     )
+
+
+def add_adaptive_options(p: argparse.ArgumentParser) -> None:
+    """The `[adaptive]` flags (strategy adaptive) that override a config file."""
+    g = p.add_argument_group("strategy adaptive")
+    g.add_argument(
+        "--slo-ms",
+        type=float,
+        metavar="MS",
+        help="SLO, arrival to answer (default: 4x the predicted time of the longest input "
+        "alone, at least 100 ms; X-Request-Timeout overrides it per call)",
+    )
+    g.add_argument(
+        "--shed",
+        choices=["429", "503", "late"],
+        help="a request predicted to miss its deadline: 429 or 503 at once with Retry-After, "
+        "or serve it late (default 429)",
+    )
+    g.add_argument(
+        "--priority-levels",
+        type=int,
+        metavar="N",
+        help="strict priority levels 0..N-1 (the `priority` field / X-Priority header; default 1)",
+    )
+    g.add_argument("--no-late-binding", action="store_true", help="never wait to fill")
+    g.add_argument("--no-merge", action="store_true", help="never top up from shorter lanes")
+    g.add_argument(
+        "--refit",
+        action="store_true",
+        help="re-fit the boundaries online when the lengths drift",
+    )
+
+
+def adaptive_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `adaptive` section of settings overrides from `add_adaptive_options`' flags."""
+    return {
+        "slo_ms": args.slo_ms,
+        "shed": args.shed,
+        "priority_levels": args.priority_levels,
+        "late_binding": False if args.no_late_binding else None,
+        "merge": False if args.no_merge else None,
+        "refit": True if args.refit else None,
+    }
 
 
 def batching_overrides(args: argparse.Namespace) -> dict[str, Any]:

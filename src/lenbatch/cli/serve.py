@@ -7,7 +7,12 @@ import logging
 import os
 from typing import Any
 
-from lenbatch.cli.common import add_batching_options, batching_overrides
+from lenbatch.cli.common import (
+    adaptive_overrides,
+    add_adaptive_options,
+    add_batching_options,
+    batching_overrides,
+)
 from lenbatch.config import DecodeMode, Settings, Strategy, load_settings
 
 log = logging.getLogger("lenbatch")
@@ -36,6 +41,7 @@ def register(sub: Any) -> None:
         help="batching strategy (default: bucketed)",
     )
     add_batching_options(p)
+    add_adaptive_options(p)
     g = p.add_argument_group("text generation (causal LMs)")
     g.add_argument(
         "--decode-mode",
@@ -96,8 +102,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--cost",
         metavar="FILE",
-        help="the cost model (JSON from `lenbatch profile`) the settings were tuned with: "
-        "warn at start-up when it was measured on another processor",
+        help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`): "
+        "seeds adaptive's online cost model (without it: a generic CPU guess, then learned "
+        "from the engine's own batches); start-up warns when it was measured on another "
+        "processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
@@ -156,6 +164,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "drain_timeout_s": args.drain_timeout,
         },
         "admission": {"request_timeout_s": args.request_timeout},
+        "adaptive": adaptive_overrides(args),
     }
     return load_settings(args.config, os.environ, overrides)
 
@@ -179,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_ray(args, settings)
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
+    if causal is not None and settings.batching.strategy is Strategy.ADAPTIVE:
+        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
     if causal is not None:
         from lenbatch.serving.http import serve_app
 
@@ -206,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         recovery=settings.recovery,
         default_truncate=m.truncate,
         length_log=length_log,
+        adaptive=settings.adaptive,
+        cost_prior=_cost_prior(m.cost_model),
     )
     log.info(
         "model %s: max_length=%d dim=%d padding=%s",
@@ -296,6 +309,18 @@ def _check_cost_model(path: str | None, device: str) -> None:
         log.warning("%s: %s", path, problem)
     else:
         log.info("cost model %s was measured on this processor (%s)", path, here)
+
+
+def _cost_prior(path: str | None) -> Any:
+    """The online cost model's prior from a profile file (None without one)."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from lenbatch.core.costfit import CostCoefficients
+
+    return CostCoefficients.from_profile(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def _log_precision(runner: Any) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from lenbatch.cli.common import (
+    adaptive_overrides,
+    add_adaptive_options,
     add_batching_options,
     batching_overrides,
     load_cost_model,
@@ -57,6 +59,7 @@ def add_sim_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml) as for serve")
     add_batching_options(p)
+    add_adaptive_options(p)
     p.add_argument(
         "--concurrency",
         type=int,
@@ -80,6 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             **batching_overrides(args),
             "max_concurrent_batches": args.concurrency,
         },
+        "adaptive": adaptive_overrides(args),
     }
     return load_settings(args.config, os.environ, overrides)
 
@@ -117,7 +121,7 @@ class SimContext:
         t = map_trace(self.trace, rate_scale=scale) if scale != 1.0 else self.trace
         return simulate(
             t, self.cost, batching, self.settings.admission, max_length=self.max_length,
-            truncate=self.truncate,
+            truncate=self.truncate, adaptive=self.settings.adaptive,
         )  # fmt: skip
 
     def header(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
+from lenbatch.config import BatchingConfig, SchedulerConfig
 from lenbatch.core.buckets import BucketSet, default_boundaries
 
 __all__ = ["Lanes", "lane_labels", "resolve_lanes"]
@@ -28,7 +28,7 @@ class Lanes:
 
 def lane_labels(cfg: SchedulerConfig) -> list[str]:
     """Names of the lanes, as the engines label their metrics (`"all"` for a single queue)."""
-    if cfg.strategy is Strategy.BUCKETED:
+    if cfg.strategy.bucketed:
         return BucketSet(cfg.boundaries, cfg.max_length).labels()
     return ["all"]
 
@@ -39,5 +39,7 @@ def resolve_lanes(batching: BatchingConfig, max_length: int) -> Lanes:
     Raises `ValueError` (with what to change) for a config no batch could ever run with.
     """
     cfg = batching.resolve(max_length, default_boundaries(max_length))
-    uses_default = batching.strategy is Strategy.BUCKETED and batching.boundaries is None
+    uses_default = (
+        batching.strategy.bucketed and batching.boundaries is None and not batching.auto_boundaries
+    )
     return Lanes(cfg, tuple(lane_labels(cfg)), uses_default)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 
-from lenbatch.config import SchedulerConfig, Strategy
+from lenbatch.config import SchedulerConfig
 from lenbatch.core.request import Request
 
 __all__ = ["Queues"]
@@ -20,14 +20,15 @@ __all__ = ["Queues"]
 class Queues:
     """Per-lane FIFO queues and in-flight batch counters for one `SchedulerConfig`."""
 
-    __slots__ = ("_bounds", "_bucketed", "inflight", "inflight_total", "lanes", "size")
+    __slots__ = ("_bounds", "_bucketed", "_pushed", "inflight", "inflight_total", "lanes", "size")
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.lanes: list[deque[Request]] = [deque() for _ in cfg.lanes]
         self.inflight: list[int] = [0] * len(cfg.lanes)
         self.inflight_total = 0
         self.size = 0
-        self._bucketed = cfg.strategy is Strategy.BUCKETED
+        self._pushed = 0
+        self._bucketed = cfg.strategy.bucketed
         self._bounds = cfg.boundaries
 
     def lane_of(self, length: int) -> int:
@@ -38,6 +39,8 @@ class Queues:
         """Queue `request` at the back of its lane; returns the lane."""
         lane = self.lane_of(request.length)
         request.lane = lane
+        self._pushed += 1
+        request.seq = self._pushed
         self.lanes[lane].append(request)
         self.size += 1
         return lane
@@ -80,6 +83,22 @@ class Queues:
         self.inflight[lane] -= 1
         self.inflight_total -= 1
 
+    def rebucket(self, cfg: SchedulerConfig) -> None:
+        """Swap to `cfg`'s lanes atomically, re-routing every waiting request: none lost or
+        duplicated, each new lane in arrival order (requests of one old lane keep their order).
+        Only with nothing in flight: a running batch's lane must keep its meaning."""
+        if self.inflight_total:
+            raise RuntimeError("bug: lanes swapped with batches in flight")
+        waiting = sorted((r for q in self.lanes for r in q), key=_queued_order)
+        self.lanes = [deque() for _ in cfg.lanes]
+        self.inflight = [0] * len(cfg.lanes)
+        self._bucketed = cfg.strategy.bucketed
+        self._bounds = cfg.boundaries
+        for r in waiting:
+            lane = self.lane_of(r.length)
+            r.lane = lane
+            self.lanes[lane].append(r)
+
     def drain(self) -> list[Request]:
         """Remove and return every waiting request (shutdown, runner crash)."""
         out = [r for q in self.lanes for r in q]
@@ -87,3 +106,7 @@ class Queues:
             q.clear()
         self.size = 0
         return out
+
+
+def _queued_order(r: Request) -> tuple[float, int]:
+    return (r.arrival, r.seq)

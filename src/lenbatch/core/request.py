@@ -58,3 +58,7 @@ class Request(Generic[HandleT]):
     handle: HandleT = None  # type: ignore[assignment]
     # Per-request extras for the runner (e.g. generation parameters); never logged.
     params: Any = None
+    # `adaptive`: clock time its answer is due (arrival + its SLO); None: not set by the shell.
+    due: float | None = None
+    # Set by the queues on push: the order requests were queued in (ties of arrival kept).
+    seq: int = 0

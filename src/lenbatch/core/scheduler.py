@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lenbatch.config import LanePolicy, SchedulerConfig, Strategy
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
+
+if TYPE_CHECKING:
+    from lenbatch.core.adaptive import AdaptiveState
 
 __all__ = ["Batch", "Decision", "schedule"]
 
@@ -62,19 +66,32 @@ class Batch:
 
 @dataclass(slots=True)
 class Decision:
-    """What to do now: batches to run, requests that expired, and when to ask again."""
+    """What to do now: batches to run, requests that expired, and when to ask again.
+
+    `adaptive` also sheds (`shed`: answer each at once, predicted to miss its deadline) and
+    merges (`merges`: one `(from_lane, to_lane)` per request that joined a longer lane's batch).
+    """
 
     batches: list[Batch] = field(default_factory=list)
     wake_at: float | None = None
     expired: list[Request] = field(default_factory=list)
+    shed: list[Request] = field(default_factory=list)
+    merges: list[tuple[int, int]] = field(default_factory=list)
 
 
-def schedule(queues: Queues, now: float, cfg: SchedulerConfig) -> Decision:
+def schedule(
+    queues: Queues, now: float, cfg: SchedulerConfig, adaptive: AdaptiveState | None = None
+) -> Decision:
     """Take the batches that should run at time `now` out of `queues`.
 
     Emitted batches are counted as in flight in `queues`; the caller reports each one back
-    with `queues.batch_done(batch.lane)` when it has finished.
+    with `queues.batch_done(batch.lane)` when it has finished. Strategy `adaptive` decides
+    with its state (cost model, arrival rates), which the caller owns and passes in.
     """
+    if cfg.strategy is Strategy.ADAPTIVE:
+        if adaptive is None:
+            raise ValueError("strategy adaptive needs its AdaptiveState")
+        return adaptive.schedule(queues, now, cfg)
     # This runs on every arrival, completion and timer, in the engine and (millions of times)
     # in the simulator: keep the lane scan free of allocations and calls where it can be.
     decision = Decision()

@@ -23,6 +23,11 @@ __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("lenbatch.embed.api")
 
+_PRIORITY_DOC = (
+    "Priority level of this call's inputs: 0 (the default) to the server's priority_levels - 1; "
+    "higher levels run first, FIFO within a level, and long waits age to the top. The body's "
+    "`priority` field overrides it."
+)
 _TIMEOUT_DOC = (
     "Seconds this call may wait before it runs; if it has not started by then its inputs are "
     "dropped and the answer is 504. Overrides the server's admission.request_timeout_s."
@@ -44,6 +49,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         x_request_timeout: Annotated[
             float | None, Header(gt=0, allow_inf_nan=False, description=_TIMEOUT_DOC)
         ] = None,
+        x_priority: Annotated[int | None, Header(description=_PRIORITY_DOC)] = None,
     ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
         check_model(body.model, accepted_names, served)
@@ -53,7 +59,10 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
                 f"vectors have {engine.info.dim} dimensions"
             )
         inputs = _inputs(body.input, settings.server.max_inputs_per_request)
-        work = engine.embed_with_usage(inputs, truncate=body.truncate, timeout=x_request_timeout)
+        priority = body.priority if body.priority is not None else x_priority
+        work = engine.embed_with_usage(
+            inputs, truncate=body.truncate, timeout=x_request_timeout, priority=priority or 0
+        )
         done = await unless_disconnected(request, work)
         if done is None:
             log.info("client disconnected: %d inputs withdrawn", len(inputs))

@@ -29,14 +29,23 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, RecoveryConfig
+from lenbatch.config import (
+    AdaptiveConfig,
+    AdmissionConfig,
+    BatchingConfig,
+    RecoveryConfig,
+    Strategy,
+)
+from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.clock import Clock
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.errors import (
     BadInput,
     LenbatchError,
 )
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
+from lenbatch.core.refit import Fitter, Refitter, optimal_bounds
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.batches import BatchRunner
@@ -77,6 +86,9 @@ class Engine(BaseEngine):
         clock: Clock | None = None,
         default_truncate: bool = False,
         length_log: LengthLog | None = None,
+        adaptive: AdaptiveConfig | None = None,
+        cost_prior: CostCoefficients | None = None,
+        fitter: Fitter | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -103,6 +115,34 @@ class Engine(BaseEngine):
             max_workers=_TOKENIZE_THREADS, thread_name_prefix="lenbatch-tokenize"
         )
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        ac = adaptive or AdaptiveConfig()
+        self.priority_levels = ac.priority_levels
+        # strategy adaptive: what it learns (cost model, arrival rates) lives here, the
+        # decisions are `core.adaptive`'s. Raises ValueError for an SLO no batch can meet.
+        self.adaptive: AdaptiveState | None = None
+        if lanes.cfg.strategy is Strategy.ADAPTIVE:
+            self.adaptive = build_state(
+                ac,
+                cost_prior,
+                lanes.cfg,
+                longest=self.admission.longest_admissible(),
+                concurrency=self.batching.max_concurrent_batches,
+            )
+        # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
+        self.refitter: Refitter | None = None
+        self._pending_bounds: tuple[int, ...] | None = None
+        if self.adaptive is not None and (ac.refit or self.batching.auto_boundaries):
+            co = self.adaptive.cost.coefficients
+            self.refitter = Refitter(
+                max_length=self.info.max_length,
+                sample=ac.refit_sample,
+                min_requests=ac.refit_min_requests,
+                min_interval=ac.refit_min_interval_s,
+                min_saving=ac.refit_min_saving,
+                buckets=ac.refit_buckets,
+                overhead_tokens=co.a / co.b if co.b > 0 else 80.0,
+                fit=fitter or optimal_bounds,
+            )
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -117,6 +157,8 @@ class Engine(BaseEngine):
         return await self.ledger.wait_idle(timeout)
 
     def _on_drain(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.draining = True  # nobody will join partial batches any more
         self.apply_caps()
 
     def _abandon(self, err: LenbatchError) -> None:
@@ -135,7 +177,21 @@ class Engine(BaseEngine):
         self.metrics.set_memory(mem.weights, mem.peak_activations, mem.device)
 
     def _extra_stats(self) -> dict[str, Any]:
-        return {"batch_caps": self.caps.describe(self.clock.now(), self.lane_labels)}
+        out: dict[str, Any] = {
+            "batch_caps": self.caps.describe(self.clock.now(), self.lane_labels),
+            "priority_levels": self.priority_levels,
+        }
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.describe(self.lane_labels, self.clock.now())
+        if self.refitter is not None:
+            out["refit"] = self.refitter.describe()
+        return out
+
+    def prometheus(self) -> bytes:
+        """Prometheus exposition (adaptive's gauges are read first, so the scrape shows them)."""
+        if self.adaptive is not None:
+            self.metrics.set_adaptive(self.adaptive.describe(self.lane_labels, self.clock.now()))
+        return super().prometheus()
 
     # ------------------------------------------------------------------ submitting
 
@@ -223,6 +279,12 @@ class Engine(BaseEngine):
         """
         if self.state is not EngineState.RUNNING:
             raise self.refusal()
+        if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
+            raise BadInput(
+                f"priority must be an integer in [0, {self.priority_levels - 1}] (higher runs "
+                f"first); got {priority!r}",
+                code="invalid_priority",
+            )
         loop = asyncio.get_running_loop()
         if inputs and isinstance(inputs[0], str):
             # One batch-encode call per request, in a worker thread (see __init__).
@@ -242,14 +304,29 @@ class Engine(BaseEngine):
             raise refusal
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = None if timeout is None else now + timeout
+        ad = self.adaptive
+        due = None
+        if ad is not None:
+            due = ad.due_of(now, priority, timeout)
+            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now)
+            if shed is not None:
+                self.metrics.record_rejection(shed.code)
+                self.metrics.record_shed("admission")
+                raise shed
         requests = []
         for x in seqs:
             ticket = Ticket(loop.create_future())
             r = Request(len(x), now, x, deadline=deadline, priority=priority, handle=ticket)
+            r.due = due
             if timeout is not None:
                 ticket.timer = loop.call_later(timeout, self._on_deadline, r)
-            self.queues.push(r)
+            lane = self.queues.push(r)
+            if ad is not None:
+                ad.on_arrival(lane, r.length, now)
+            if self.refitter is not None:
+                self.refitter.observe(r.length)
             requests.append(r)
+        self.metrics.record_priority(priority, len(requests))
         self.ledger.admit(requests)
         self._kick()
         try:
@@ -285,9 +362,17 @@ class Engine(BaseEngine):
                 for lane in restored:
                     log.info("batch cap of bucket %s restored", self.lane_labels[lane])
                 self.apply_caps()
-            decision = schedule(self.queues, now, self.cfg)
+            if self.refitter is not None:
+                self._maybe_refit(now)
+            decision = schedule(self.queues, now, self.cfg, self.adaptive)
             for r in decision.expired:
                 self.ledger.fail(r, self.expired_error(r))
+            if self.adaptive is not None:
+                for r in decision.shed:
+                    self.metrics.record_shed("queue")
+                    self.ledger.fail(r, self.adaptive.shed_error(r, now))
+                for src, dst in decision.merges:
+                    self.metrics.record_merge(src, dst)
             for batch in decision.batches:
                 task = asyncio.create_task(self._run_batch(batch))
                 self._batch_tasks.add(task)
@@ -295,12 +380,61 @@ class Engine(BaseEngine):
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
             await self._sleep_until_woken(decision.wake_at)
 
+    def _maybe_refit(self, now: float) -> None:
+        """Ask the re-fitter; once new boundaries are pending, hold new batches until the
+        runner is idle, then swap the lanes atomically (queued requests re-bucketed)."""
+        assert self.refitter is not None and self.adaptive is not None
+        if self._pending_bounds is None and self.state is EngineState.RUNNING:
+            self._pending_bounds = self.refitter.consider(now, self.cfg.boundaries)
+            self.adaptive.hold = self._pending_bounds is not None
+        if self._pending_bounds is None or self.queues.inflight_total:
+            return
+        old, new = self.cfg.boundaries, self._pending_bounds
+        self._pending_bounds = None
+        batching = self.batching.model_copy(update={"boundaries": new, "auto_boundaries": False})
+        lanes = resolve_lanes(batching, self.info.max_length)
+        self.batching = batching
+        self.queues.rebucket(lanes.cfg)
+        self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
+        self.lane_labels[:] = lanes.labels
+        self.ledger.lane_labels = self.lane_labels
+        self.admission.sched = lanes.cfg
+        self.uses_default_boundaries = False
+        self.metrics.record_refit(self.lane_labels)
+        self.adaptive.reset_lanes(lanes.cfg)
+        self.adaptive.hold = False
+        self.apply_caps()
+        ev = self.refitter.events[-1]
+        log.info(
+            "re-fit: boundaries %s -> %s (drift KS %s, predicted saving %.1f%%, %d queued "
+            "requests re-bucketed)",
+            list(old),
+            list(new),
+            "n/a" if ev.ks is None else f"{ev.ks:.3f}",
+            100 * ev.saving,
+            self.queues.size,
+        )
+
     async def _run_batch(self, batch: Batch) -> None:
         try:
             await self.batches.run(batch)
         finally:
             self.queues.batch_done(batch.lane)
+            if self.adaptive is not None:
+                self._observe(batch)
             self._kick()
+
+    def _observe(self, batch: Batch) -> None:
+        """Feed the model calls this batch made (one, or more if it was split) to the online
+        cost model: members that ran together share their start and execution time."""
+        assert self.adaptive is not None
+        calls: dict[tuple[float, float], list[int]] = {}
+        for r in batch.requests:
+            t = r.handle
+            if t.started is not None and t.exec_s is not None:
+                calls.setdefault((t.started, t.exec_s), []).append(r.length)
+        for (_, exec_s), lengths in calls.items():
+            self.adaptive.observe_batch(batch.lane, len(lengths), max(lengths), exec_s)
 
     def crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""

@@ -38,6 +38,11 @@ class EmbeddingRequest(BaseModel):
     truncate: bool | None = Field(
         None, description="Cut inputs over the model limit instead of rejecting them."
     )
+    priority: StrictInt | None = Field(
+        None,
+        description="Priority level, 0 (the default) to the server's priority_levels - 1; "
+        "higher runs first. Overrides the X-Priority header.",
+    )
 
 
 def encode_vector(vec: np.ndarray[Any, Any], fmt: str) -> Any:

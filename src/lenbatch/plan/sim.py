@@ -44,8 +44,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, SchedulerConfig, Strategy
+from lenbatch.config import (
+    AdaptiveConfig,
+    AdmissionConfig,
+    BatchingConfig,
+    SchedulerConfig,
+    Strategy,
+)
+from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.admission import Admission
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
@@ -95,6 +103,8 @@ class SimRun:
     peak_memory_bytes: float
     rejections: dict[str, int] = field(default_factory=dict)  # error code -> count
     events: int = 0  # distinct event instants processed (each ran `schedule()` once)
+    adaptive: dict[str, Any] | None = None  # `adaptive`'s state at the end (as in /stats)
+    slo_s: float | None = None  # `adaptive`'s SLO (its lowest level), for goodput
 
     @property
     def padding_waste(self) -> float | None:
@@ -156,10 +166,16 @@ def simulate(
     *,
     max_length: int = 256,
     truncate: bool = False,
+    adaptive: AdaptiveConfig | None = None,
+    adaptive_prior: bool = True,
 ) -> SimRun:
     """Replay `trace` (one single-input call per row, at its arrival time) through the engine's
     admission, queues and scheduler with service times from `cost`; run until every admitted
-    request is answered."""
+    request is answered.
+
+    Strategy `adaptive` runs with `adaptive` (default settings if None) and an online cost
+    model that learns from the simulated batch times, seeded from `cost` when
+    `adaptive_prior` (as `serve --cost FILE` seeds it), else from the generic prior."""
     # The loop allocates many small objects that never form cycles; the cyclic collector
     # only costs time here (up to a third of the run), so it is paused for the replay.
     was_enabled = gc.isenabled()
@@ -172,6 +188,8 @@ def simulate(
             admission or AdmissionConfig(),
             max_length,
             truncate,
+            adaptive or AdaptiveConfig(),
+            adaptive_prior,
         )
     finally:
         if was_enabled:
@@ -185,6 +203,8 @@ def _replay(
     adm_cfg: AdmissionConfig,
     max_length: int,
     truncate: bool,
+    adaptive_cfg: AdaptiveConfig,
+    adaptive_prior: bool,
 ) -> SimRun:
     """`simulate`'s event loop, with its defaults resolved and the collector paused."""
     if trace.arrivals is None:
@@ -224,12 +244,25 @@ def _replay(
     heappush = heapq.heappush
     heappop = heapq.heappop
 
+    ad: AdaptiveState | None = None
+    if cfg.strategy is Strategy.ADAPTIVE:
+        prior = CostCoefficients.from_profile(cost.to_json()) if adaptive_prior else None
+        ad = build_state(
+            adaptive_cfg,
+            prior,
+            cfg,
+            longest=Admission(adm_cfg, cfg).longest_admissible(),
+            concurrency=batching.max_concurrent_batches,
+        )
+    arrive = ad.on_arrival if ad is not None else None
+
     runners_free = batching.max_concurrent_batches
     # With one runner the peak is the largest batch; with several, sum what overlaps.
     track_memory = runners_free > 1
     log_extend = log.extend
     ran_append = ran.append
-    running: list[tuple[float, int, int, float]] = []  # heap of (end, seq, lane, act. bytes)
+    # heap of (end, seq, lane, activation bytes, size, padded length, exec s)
+    running: list[tuple[float, int, int, float, int, int, float]] = []
     waiting: deque[Batch] = deque()  # emitted, collated, waiting for a runner slot (FIFO)
     deadlines: deque[tuple[float, Request]] = deque()  # (deadline, request), by deadline
     active_bytes = 0.0
@@ -275,7 +308,7 @@ def _replay(
             if active_bytes > peak_active:
                 peak_active = active_bytes
         seq += 1
-        heappush(running, (now + dt, seq, batch.lane, ab))
+        heappush(running, (now + dt, seq, batch.lane, ab, size, pad, dt))
 
     while True:
         # The next instant anything happens.
@@ -292,7 +325,9 @@ def _replay(
 
         # 1. Batches finishing now free their slot, which goes to the next waiting batch.
         while running and running[0][0] <= now:
-            _, _, lane, ab = heappop(running)
+            _, _, lane, ab, b_size, b_pad, b_dt = heappop(running)
+            if ad is not None:  # the engine's own timing of the batch, as the engine learns it
+                ad.observe_batch(lane, b_size, b_pad, b_dt)
             active_bytes -= ab
             runners_free += 1
             batch_done(lane)
@@ -315,12 +350,19 @@ def _replay(
                 rejections[code] = rejections.get(code, 0) + 1
             else:
                 refusal = check([length], queues, now)
+                due = 0.0
+                if refusal is None and ad is not None:
+                    due = ad.due_of(next_arrival, 0, timeout)
+                    refusal = ad.admit([length], due, queues, cfg, now)
                 if refusal is None:
                     r = Request(length, next_arrival, None, "", None, 0, -1, i)
                     if timeout is not None:
                         r.deadline = next_arrival + timeout
                         deadlines.append((r.deadline, r))
                     lane_of_req[i] = push(r)
+                    if arrive is not None:
+                        r.due = due
+                        arrive(r.lane, length, next_arrival)
                 else:
                     outcome[i] = OUTCOME_REJECTED
                     lane_of_req[i] = queues.lane_of(length)
@@ -334,9 +376,12 @@ def _replay(
         if not queues.size or queues.inflight_total >= slots:
             wake_at = _INF
             continue
-        decision = schedule(queues, now, cfg)
+        decision = schedule(queues, now, cfg, ad)
         for r in decision.expired:
             outcome[r.handle] = OUTCOME_ERROR
+        for r in decision.shed:  # answered at once (429/503): never ran, like a refusal
+            outcome[r.handle] = OUTCOME_REJECTED
+            rejections["deadline_unmeetable"] = rejections.get("deadline_unmeetable", 0) + 1
         for batch in decision.batches:
             if runners_free > 0 and not waiting:
                 start(batch, now)
@@ -397,4 +442,8 @@ def _replay(
         peak_memory_bytes=cost.weights_bytes + peak_active,
         rejections=rejections,
         events=events,
+        adaptive=None
+        if ad is None
+        else ad.describe(list(lanes.labels), float(arrivals[-1]) if n else 0.0),
+        slo_s=None if ad is None else ad.policy.level_slo[0],
     )

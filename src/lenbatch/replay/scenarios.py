@@ -16,6 +16,12 @@ mapping options (`--max-length`, `--rate-scale`, ...) apply afterwards.
 | `bursts` | 30 % Poisson + bursts every `period` s, 0.25 s wide | bursts: short; rest: mixed |
 | `long-heavy` | Poisson | 70 % speech, 20 % paragraph, 10 % short |
 | `mixed` | Poisson | 50 % short, 35 % paragraph, 15 % speech |
+| `swing` | Poisson at 5 %, 80 %, 5 % of `rate` in three equal phases | mixed |
+| `onoff` | each `period`: 150 % of `rate` for its first 30 %, then 5 % | mixed |
+| `drift` | Poisson | short mix (80 % short) in the first half, long mix (40 % speech) after |
+| `bimodal` | Poisson | 50 % short, 50 % speech |
+
+For `swing` and `onoff`, `rate` is the reference (think: the server's capacity), not the mean.
 """
 
 from __future__ import annotations
@@ -33,12 +39,17 @@ __all__ = ["SCENARIOS", "LengthPools", "build_scenario", "pools_from_builder"]
 IntArray = npt.NDArray[np.int64]
 LengthPools = Mapping[str, IntArray]
 
-SCENARIOS = ("bursts", "long-heavy", "mixed")
+SCENARIOS = ("bursts", "long-heavy", "mixed", "swing", "onoff", "drift", "bimodal")
 
 _MIXES = {
     "long-heavy": {"speech": 0.7, "paragraph": 0.2, "short": 0.1},
     "mixed": {"short": 0.5, "paragraph": 0.35, "speech": 0.15},
+    "short-mix": {"short": 0.8, "paragraph": 0.2},
+    "long-mix": {"short": 0.2, "paragraph": 0.4, "speech": 0.4},
+    "bimodal": {"short": 0.5, "speech": 0.5},
 }
+_SWING = (0.05, 0.8, 0.05)  # share of `rate` in each third of a `swing`
+_ON_SHARE, _ON_LOAD, _OFF_LOAD = 0.3, 1.5, 0.05  # `onoff`: ON part of a period, loads
 _BURST_SHARE = 0.7  # share of `bursts` traffic that comes in bursts
 _BURST_WIDTH_S = 0.25
 
@@ -106,6 +117,43 @@ def build_scenario(
         desc = (
             f"scenario bursts: {per_burst} short requests within {_BURST_WIDTH_S} s every "
             f"{period_s:g} s + Poisson background; mean {rate:g} req/s"
+        )
+    elif name in ("swing", "onoff"):
+        if name == "swing":
+            third = duration_s / 3
+            phases = [(k * third, third, share * rate) for k, share in enumerate(_SWING)]
+            desc = (
+                f"scenario swing: Poisson at {', '.join(f'{x:.0%}' for x in _SWING)} of "
+                f"{rate:g} req/s in thirds of {third:g} s, mixed lengths"
+            )
+        else:
+            if period_s <= 0:
+                raise ValueError(f"on/off period must be positive, got {period_s}")
+            on = _ON_SHARE * period_s
+            phases = []
+            for start in np.arange(0.0, duration_s, period_s):
+                phases.append((float(start), on, _ON_LOAD * rate))
+                phases.append((float(start) + on, period_s - on, _OFF_LOAD * rate))
+            desc = (
+                f"scenario onoff: every {period_s:g} s, {on:g} s at {_ON_LOAD:.0%} of "
+                f"{rate:g} req/s then {_OFF_LOAD:.0%}; mixed lengths"
+            )
+        parts = [
+            t0 + _poisson(r, min(span, duration_s - t0), rng)
+            for t0, span, r in phases
+            if t0 < duration_s
+        ]
+        arrivals = np.concatenate(parts) if parts else np.empty(0)
+        lengths = _draw(pools, _MIXES["mixed"], len(arrivals), rng)
+    elif name == "drift":
+        arrivals = _poisson(rate, duration_s, rng)
+        first = arrivals < duration_s / 2
+        lengths = np.empty(len(arrivals), dtype=np.int64)
+        lengths[first] = _draw(pools, _MIXES["short-mix"], int(first.sum()), rng)
+        lengths[~first] = _draw(pools, _MIXES["long-mix"], int((~first).sum()), rng)
+        desc = (
+            f"scenario drift: Poisson {rate:g} req/s; lengths 80% short until "
+            f"{duration_s / 2:g} s, then 40% speech, 40% paragraph, 20% short"
         )
     else:
         arrivals = _poisson(rate, duration_s, rng)

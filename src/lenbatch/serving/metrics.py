@@ -121,6 +121,54 @@ class Metrics:
         self.activations = Gauge(
             "lenbatch_peak_activation_bytes", "Peak memory above weights", registry=r
         )
+        # strategy adaptive (zero elsewhere): its decisions, model and counters
+        self.fill_window = Gauge(
+            "lenbatch_adaptive_fill_window_seconds",
+            "How long a lane may wait to fill its batch now (adaptive)",
+            lb,
+            registry=r,
+        )
+        self.target_batch = Gauge(
+            "lenbatch_adaptive_target_batch", "The batch a lane waits for now (adaptive)", lb,
+            registry=r,
+        )  # fmt: skip
+        self.arrival_rate = Gauge(
+            "lenbatch_adaptive_arrival_rate", "Estimated arrivals per second (adaptive)", lb,
+            registry=r,
+        )  # fmt: skip
+        self.cost_coef = Gauge(
+            "lenbatch_cost_model",
+            "Online cost model a + b*B*L + c*B*L^2 seconds: coefficient by term",
+            ["term"],
+            registry=r,
+        )
+        self.cost_error = Gauge(
+            "lenbatch_cost_model_fit_error", "Relative RMS error of the online fit", registry=r
+        )
+        self.merges = Counter(
+            "lenbatch_merges",
+            "Requests that joined a longer lane's batch (adaptive)",
+            ["from_bucket", "into_bucket"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "lenbatch_shed",
+            "Requests answered at once, predicted to miss their deadline (adaptive)",
+            ["where"],
+            registry=r,
+        )
+        self.served_late = Gauge(
+            "lenbatch_served_late",
+            "Requests run although predicted past their due time (adaptive)",
+            registry=r,
+        )
+        self.refits = Counter(
+            "lenbatch_refits", "Online re-fits of the bucket boundaries", registry=r
+        )
+        self.by_priority = Counter(
+            "lenbatch_priority_requests", "Admitted inputs by priority level", ["level"],
+            registry=r,
+        )  # fmt: skip
         self._lanes = [_LaneStats() for _ in self.labels]
         self._all_latencies: deque[float] = deque(maxlen=_WINDOW)
         self._status_counts: dict[str, int] = {}
@@ -203,6 +251,40 @@ class Metrics:
             "peak_activations_mb": activations / 2**20,
             "peak_rss_mb": rss / 2**20,
         }
+
+    def record_merge(self, from_lane: int, into_lane: int) -> None:
+        """One request of `from_lane` ran in a batch of the longer `into_lane`."""
+        self.merges.labels(self.labels[from_lane], self.labels[into_lane]).inc()
+
+    def record_shed(self, where: str) -> None:
+        """A request was shed (`admission` or `queue`)."""
+        self.shed.labels(where).inc()
+
+    def record_priority(self, level: int, n: int) -> None:
+        """`n` inputs of priority `level` were admitted."""
+        self.by_priority.labels(str(level)).inc(n)
+
+    def record_refit(self, lane_labels: Sequence[str]) -> None:
+        """The boundaries were re-fitted: count it and label lanes afresh (per-lane windows
+        start empty; Prometheus keeps the old lanes' series)."""
+        self.refits.inc()
+        self.labels = list(lane_labels)
+        self._lanes = [_LaneStats() for _ in self.labels]
+
+    def set_adaptive(self, state: dict[str, Any]) -> None:
+        """Gauges from `AdaptiveState.describe()` (read at each scrape)."""
+        for lane in state["lanes"]:
+            b = lane["bucket"]
+            self.fill_window.labels(b).set(lane["fill_window_ms"] / 1000)
+            self.target_batch.labels(b).set(lane["target_batch"])
+            self.arrival_rate.labels(b).set(lane["arrival_rate"])
+        cm = state["cost_model"]
+        self.cost_coef.labels("a").set(cm["a_s"])
+        self.cost_coef.labels("b").set(cm["b_s_per_token"])
+        self.cost_coef.labels("c").set(cm["c_s_per_token_sq"])
+        if cm["fit_error"] is not None:
+            self.cost_error.set(cm["fit_error"])
+        self.served_late.set(state["served_late"])
 
     def prometheus(self) -> bytes:
         """The Prometheus text exposition of every series."""

@@ -1,0 +1,563 @@
+"""The `adaptive` strategy: batches formed from a cost model and deadlines. Pure, clock injected.
+
+The engine and the simulator both own one `AdaptiveState` and pass it to `schedule()`; it holds
+what the strategy learns (the online cost model, a per-lane arrival rate, the padded length
+each lane's batches reach) and decides with it. Lanes are the bucketed ones.
+
+Every request has a due time: arrival + the SLO of its priority level (or the call's own
+timeout). With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (`OnlineCostModel`),
+and may start at `now + ahead` (`ahead`: predicted work still on the runner). Per decision:
+
+1. **Shedding** (`shed` 429/503): a request at the head of its lane that cannot meet its due
+   time even alone (`now + ahead + t(1, len) > due`) is answered at once, and at admission a
+   call whose due time lies before the predicted end of the work queued ahead of it is refused
+   (`admit`). `shed = late` keeps them and serves them late.
+2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
+   FIFO within a level; a request that waited `aging` counts as the top level) up to
+   `max_batch`, the token budget, and while the grown batch still meets every member's due time.
+3. **Late binding** (`late_binding`): once the runner would be busy `fill_load` of the time
+   serving requests one by one (below that there is model time to spare and waiting only
+   adds latency), a lane short of its target waits to fill, while (a) one
+   more request raises real tokens per model-second by `fill_gain` and (b) its latest feasible
+   start (`min due - t(B, L) - ahead`) is not reached. The target is the largest `b` with
+   `t(b, L) + (b - 1) / rate <= SLO / 2` (Nexus' rule, in padded tokens), filling no further
+   than it pays; the wait it implies, `(target - 1) / rate`, is bounded by `min_wait` and
+   `max_wait`. While the runner is busy a lane short of its target keeps filling (the batch
+   would only wait in the prefetch slot), unless its latest start has come.
+4. **Choice**: among ready lanes, the highest level first, then a batch that meets its
+   deadline before one that cannot, then the earliest latest-start (Clockwork's rule).
+5. **Merges** (`merge`): a batch leaving short of full is topped up with requests of the next
+   shorter lanes, in their order, while the marginal cost of one more row at this padded length
+   (`t(B + 1, L) - t(B, L)`) is below its share of the batch it would otherwise run in
+   (`t(n, L_j) / n` with the `n` requests its lane holds) and no due time breaks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
+from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import Batch, Decision
+
+__all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "derive_slo"]
+
+_INF = math.inf
+_FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
+_SHED_CODE = "deadline_unmeetable"
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptivePolicy:
+    """The strategy's knobs, resolved (seconds)."""
+
+    level_slo: tuple[float, ...]  # SLO of each priority level, lowest level first
+    min_wait: float = 0.0
+    max_wait: float = 0.1
+    late_binding: bool = True
+    fill_gain: float = 0.1
+    fill_load: float = 0.7
+    rate_window: float = 1.0
+    merge: bool = True
+    shed: ShedMode = ShedMode.REJECT_429
+    aging: float = 1.0
+
+    @property
+    def levels(self) -> int:
+        """Number of priority levels."""
+        return len(self.level_slo)
+
+    @classmethod
+    def from_config(cls, ac: AdaptiveConfig, slo: float) -> AdaptivePolicy:
+        """From the `[adaptive]` settings, with `slo` (seconds) for levels not given one."""
+        if ac.priority_slo_ms is not None:
+            level_slo = tuple(v / 1000 for v in ac.priority_slo_ms)
+        else:
+            level_slo = (slo,) * ac.priority_levels
+        return cls(
+            level_slo=level_slo,
+            min_wait=ac.min_wait_ms / 1000,
+            max_wait=ac.max_wait_ms / 1000,
+            late_binding=ac.late_binding,
+            fill_gain=ac.fill_gain,
+            fill_load=ac.fill_above_load,
+            rate_window=ac.rate_window_s,
+            merge=ac.merge,
+            shed=ac.shed,
+            aging=ac.aging_ms / 1000,
+        )
+
+
+def derive_slo(cost: OnlineCostModel, longest: int) -> float:
+    """The default SLO: four times the predicted time of the longest input alone, >= 100 ms."""
+    return max(0.1, 4 * cost.seconds(1, longest))
+
+
+def check_slo(policy: AdaptivePolicy, cost: OnlineCostModel, longest: int) -> None:
+    """Refuse (ValueError, saying why) an SLO that the longest admissible input cannot meet
+    even alone on an idle runner: every batch holding it would miss it."""
+    alone = cost.seconds(1, longest)
+    for level, slo in enumerate(policy.level_slo):
+        if slo < alone:
+            which = f"priority level {level}'s SLO" if policy.levels > 1 else "the SLO"
+            raise ValueError(
+                f"{which} of {slo * 1000:.0f} ms is below the predicted time of the longest "
+                f"admissible input alone ({alone * 1000:.0f} ms for 1 x {longest} tokens, by "
+                f"the cost model): no batch holding it could meet it. Raise slo_ms to at "
+                f"least {math.ceil(alone * 1000)} or lower the model's max_length"
+            )
+
+
+def build_state(
+    ac: AdaptiveConfig,
+    prior: CostCoefficients | None,
+    cfg: SchedulerConfig,
+    *,
+    longest: int,
+    concurrency: int = 1,
+) -> AdaptiveState:
+    """The state an engine (or simulated run) starts with: an online cost model seeded from
+    `prior` (None: the generic prior), the SLO given or derived from it, and checked against
+    the longest admissible input (ValueError, saying why, when no batch could meet it)."""
+    model = OnlineCostModel(prior, ac.cost_window)
+    slo = ac.slo_ms / 1000 if ac.slo_ms is not None else derive_slo(model, longest)
+    policy = AdaptivePolicy.from_config(ac, slo)
+    check_slo(policy, model, longest)
+    return AdaptiveState(policy, model, cfg, concurrency=concurrency)
+
+
+class AdaptiveState:
+    """What `adaptive` knows and has done: cost model, per-lane rates, counters. Owned by the
+    engine or the simulator, passed to `schedule()`; times come from the caller's clock."""
+
+    def __init__(
+        self,
+        policy: AdaptivePolicy,
+        cost: OnlineCostModel,
+        cfg: SchedulerConfig,
+        *,
+        concurrency: int = 1,
+    ) -> None:
+        self.policy = policy
+        self.cost = cost
+        self.concurrency = max(1, concurrency)
+        self.draining = False  # flush: no waiting to fill
+        self.hold = False  # a lane swap is pending: emit nothing until the runner is idle
+        self.backlog_end = -_INF  # predicted time the runner(s) finish what was emitted
+        self.merges: dict[tuple[int, int], int] = {}
+        self.shed_counts: dict[str, int] = {"admission": 0, "queue": 0}
+        self.late = 0  # requests kept although predicted late (shed = late)
+        self.reset_lanes(cfg)
+
+    def reset_lanes(self, cfg: SchedulerConfig) -> None:
+        """Start per-lane estimates afresh for `cfg`'s lanes (start-up, or after a re-fit)."""
+        n = len(cfg.lanes)
+        self._rate = [0.0] * n
+        self._rate_t = [0.0] * n
+        self._pad = [float(p.upper) for p in cfg.lanes]  # padded length batches reach
+        self._len = [float(p.upper) / 2 for p in cfg.lanes]  # mean request length
+        self.wait = [0.0] * n  # the current fill window per lane (s), for /stats
+        self.target = [1] * n  # the current target batch per lane
+        self.merges = {}
+
+    # ------------------------------------------------------------------ what the shell reports
+
+    def slo_of(self, priority: int) -> float:
+        """The SLO (seconds) of a priority level."""
+        return self.policy.level_slo[min(max(priority, 0), self.policy.levels - 1)]
+
+    def due_of(self, arrival: float, priority: int, timeout: float | None) -> float:
+        """When a request arriving at `arrival` is due: its call's timeout, else its level's SLO."""
+        return arrival + (timeout if timeout is not None else self.slo_of(priority))
+
+    def on_arrival(self, lane: int, length: int, now: float) -> None:
+        """A request of `length` tokens joined `lane` at `now` (updates its arrival rate)."""
+        tau = self.policy.rate_window
+        self._rate[lane] = self._rate[lane] * math.exp(-(now - self._rate_t[lane]) / tau) + 1 / tau
+        self._rate_t[lane] = now
+        self._len[lane] += 0.05 * (length - self._len[lane])
+
+    def rate(self, lane: int, now: float) -> float:
+        """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
+        dt = max(0.0, now - self._rate_t[lane])
+        return self._rate[lane] * math.exp(-dt / self.policy.rate_window)
+
+    def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
+        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
+        self.cost.observe(size, padded_len, seconds)
+        if 0 <= lane < len(self._pad):
+            self._pad[lane] += 0.1 * (padded_len - self._pad[lane])
+
+    # ------------------------------------------------------------------ admission
+
+    def queued_work(self, queues: Queues, cfg: SchedulerConfig) -> float:
+        """Predicted seconds to run everything queued, lane by lane in full batches."""
+        co = self.cost.coefficients
+        work = 0.0
+        for i, q in enumerate(queues.lanes):
+            n = len(q)
+            if not n:
+                continue
+            cap = cfg.lanes[i].max_batch
+            pad = self._pad[i]
+            cap = max(1, min(cap, int(cfg.max_batch_tokens // max(pad, 1.0))))
+            full, rest = divmod(n, cap)
+            work += full * co.seconds(cap, pad)
+            if rest:
+                work += co.seconds(rest, pad)
+        return work / self.concurrency
+
+    def admit(
+        self,
+        lengths: Sequence[int],
+        due: float,
+        queues: Queues,
+        cfg: SchedulerConfig,
+        now: float,
+    ) -> LenbatchError | None:
+        """None if a call of `lengths` due at `due` can meet it given the work predicted ahead
+        of it; else the 429/503 (with Retry-After) to answer at once. Never refuses with
+        `shed = late`."""
+        if self.policy.shed is ShedMode.LATE or not lengths:
+            return None
+        ahead = max(0.0, self.backlog_end - now) + self.queued_work(queues, cfg)
+        own = self.cost.seconds(1, max(lengths))
+        if now + ahead + own <= due:
+            return None
+        self.shed_counts["admission"] += 1
+        return self._shed_error(ahead, due - now, own)
+
+    def shed_error(self, r: Request, now: float) -> LenbatchError:
+        """The answer of a queued request shed because it can no longer meet its due time."""
+        due = r.due if r.due is not None else r.arrival + self.slo_of(r.priority)
+        ahead = max(0.0, self.backlog_end - now)
+        return self._shed_error(ahead, due - r.arrival, self.cost.seconds(1, r.length))
+
+    def _shed_error(self, ahead: float, budget: float, own: float) -> LenbatchError:
+        retry = max(0.05, ahead)
+        msg = (
+            f"predicted to miss its deadline: about {ahead * 1000:.0f} ms of work is queued "
+            f"ahead of it and it takes {own * 1000:.0f} ms, over its budget of "
+            f"{max(budget, 0.0) * 1000:.0f} ms; retry in {retry:.2f} s"
+        )
+        if self.policy.shed is ShedMode.REJECT_503:
+            return Unavailable(msg, retry_after=retry, code=_SHED_CODE)
+        return Overloaded(msg, retry_after=retry, code=_SHED_CODE)
+
+    # ------------------------------------------------------------------ the decision
+
+    def _due(self, r: Request) -> float:
+        return r.due if r.due is not None else r.arrival + self.slo_of(r.priority)
+
+    def _level(self, r: Request, now: float) -> int:
+        top = self.policy.levels - 1
+        if now - r.arrival >= self.policy.aging:
+            return top  # aged: runs as the top level (FIFO among them: it is older)
+        return min(max(r.priority, 0), top)
+
+    def _ordered(self, q: deque[Request], now: float, limit: int) -> list[Request]:
+        """The first `limit` requests of a lane in service order: by level, FIFO within."""
+        if self.policy.levels > 1:
+            p0 = q[0].priority
+            if any(r.priority != p0 for r in q):  # one level: arrival order is service order
+                ordered = sorted(q, key=lambda r: (-self._level(r, now), r.arrival))
+                return ordered[:limit]
+        return list(islice(q, limit))
+
+    def load(self, now: float) -> float:
+        """The runner's busy share if every request ran alone: sum over lanes of arrival
+        rate x predicted time of one request of the lane's mean length."""
+        co = self.cost.coefficients
+        return sum(self.rate(i, now) * co.seconds(1, n) for i, n in enumerate(self._len))
+
+    def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
+        """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
+        the SLO `slo`, filling only while one more row pays (`fill_gain`)."""
+        pol = cfg.lanes[lane]
+        pad = self._pad[lane]
+        cap = max(1, min(pol.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
+        lam = self._rate[lane]  # as of the lane's last arrival: see `fill_window`
+        if lam <= 0:
+            return 1
+        co = self.cost.coefficients
+        budget = _FILL_SHARE * slo
+        gain = 1 + self.policy.fill_gain
+        best = 1
+        prev = co.seconds(1, pad)
+        for b in range(2, cap + 1):
+            t = co.seconds(b, pad)
+            if t + (b - 1) / lam > budget:
+                break
+            if (b / t) < gain * ((b - 1) / prev):  # one more row no longer pays
+                break
+            best, prev = b, t
+        return best
+
+    def fill_window(self, lane: int, target: int, now: float) -> float:
+        """Seconds the lane's oldest request may wait for `target` rows: (target - 1) / rate,
+        within [min_wait, max_wait]."""
+        pol = self.policy
+        # The rate as of the lane's last arrival, not decayed to `now`: between arrivals the
+        # window stays put, so the timer set for its end finds the lane ready.
+        lam = self._rate[lane]
+        raw = (target - 1) / lam if target > 1 and lam > 0 else 0.0
+        return min(pol.max_wait, max(pol.min_wait, raw))
+
+    def schedule(self, queues: Queues, now: float, cfg: SchedulerConfig) -> Decision:
+        """`schedule()` for strategy `adaptive` (see the module docstring)."""
+        d = Decision()
+        if self.hold:
+            return d  # the swap happens once in-flight batches finish (their completion wakes)
+        co = self.cost.coefficients
+        pol = self.policy
+        budget_tokens = cfg.max_batch_tokens
+        free = cfg.slots - queues.inflight_total
+        # Filling a batch buys model time; below `fill_load` (the runner's busy share were
+        # every request run alone) there is time to spare, and waiting only adds latency.
+        fill = pol.late_binding and not self.draining and self.load(now) >= pol.fill_load
+        while free > 0 and queues.size:
+            busy = queues.inflight_total >= self.concurrency
+            ahead = max(0.0, self.backlog_end - now) if busy else 0.0
+            start = now + ahead
+            best: tuple[tuple[int, int, float], int, list[Request], int, float] | None = None
+            wake = _INF
+            for i, q in enumerate(queues.lanes):
+                if not q:
+                    continue
+                lp = cfg.lanes[i]
+                if lp.quota is not None and queues.inflight[i] >= lp.quota:
+                    continue
+                cap = lp.max_batch
+                window = self._head(queues, i, now, start, cap, d)
+                if not window:
+                    continue
+                members: list[Request] = []
+                pad = 0
+                real = 0
+                min_due = _INF
+                limited = False
+                dead: list[Request] = []
+                for r in window:
+                    if r.deadline is not None and r.deadline <= now:
+                        dead.append(r)  # past its hard deadline (timeout): 504, never run
+                        continue
+                    new_pad = lp.pad_to or max(pad, r.length)
+                    if len(members) >= cap or new_pad * (len(members) + 1) > budget_tokens:
+                        limited = True
+                        break
+                    new_due = min(min_due, self._due(r))
+                    if members and start + co.seconds(len(members) + 1, new_pad) > new_due:
+                        limited = True  # growing further would break a member's due time
+                        break
+                    members.append(r)
+                    pad, real, min_due = new_pad, real + r.length, new_due
+                if dead:
+                    d.expired.extend(dead)
+                    self._take(queues, dead)
+                if not members:
+                    continue
+                n = len(members)
+                limited = limited or n >= cap
+                exec_s = co.seconds(n, pad)
+                latest = min_due - exec_s  # latest feasible start
+                level = max(self._level(r, now) for r in members)
+                head = members[0]
+                target = self.target_batch(i, cfg, now, self._due(head) - head.arrival)
+                window_s = self.fill_window(i, target, now)
+                self.target[i] = target
+                self.wait[i] = window_s
+                oldest = min(r.arrival for r in members)
+                ready = (
+                    limited
+                    or not fill
+                    or latest <= start
+                    # `now >= oldest + window_s`, not `now - oldest >= ...`: the timer below
+                    # fires at exactly that sum, and must find the lane ready
+                    or (not busy and (n >= target or now >= oldest + window_s))
+                )
+                if not ready and not busy and not self._fill_pays(co, n, pad, real, i):
+                    ready = True
+                if not ready:
+                    if not busy:  # a busy runner's completion re-runs the decision anyway
+                        wake = min(wake, latest, oldest + window_s)
+                    continue
+                key = (-level, 0 if latest >= start else 1, latest)
+                if best is None or key < best[0]:
+                    best = (key, i, members, pad, exec_s)
+            if best is None:
+                d.wake_at = wake if wake < _INF else None
+                return d
+            _, lane, members, pad, exec_s = best
+            self._take(queues, members)
+            if pol.merge and lane > 0 and not cfg.lanes[lane].pad_to:
+                exec_s = self._top_up(queues, cfg, lane, members, pad, start, now, d)
+            end = start + exec_s
+            self.late += sum(1 for r in members if self._due(r) < end)
+            queues.batch_started(lane)
+            d.batches.append(Batch(lane, members, pad))
+            self.backlog_end = max(now, self.backlog_end) + exec_s / self.concurrency
+            free -= 1
+        return d
+
+    def _fill_pays(self, co: Any, n: int, pad: int, real: int, lane: int) -> bool:
+        """True while one more request of the lane's mean length raises real tokens per
+        model-second by at least `fill_gain`."""
+        nxt = self._len[lane]
+        new_pad = max(float(pad), nxt)
+        now_rate = real / co.seconds(n, pad)
+        new_rate = (real + nxt) / co.seconds(n + 1, new_pad)
+        return bool(new_rate > (1 + self.policy.fill_gain) * now_rate)
+
+    def _head(
+        self, queues: Queues, lane: int, now: float, start: float, cap: int, d: Decision
+    ) -> list[Request]:
+        """The lane's first `cap` requests in service order, after taking out those whose
+        hard deadline passed (expired) and, unless `shed = late`, those that can no longer
+        meet their due time even alone (shed)."""
+        q = queues.lanes[lane]
+        co = self.cost.coefficients
+        shed_on = self.policy.shed is not ShedMode.LATE
+        while True:
+            window = self._ordered(q, now, cap)
+            gone: list[Request] = []
+            for r in window:
+                if r.deadline is not None and r.deadline <= now:
+                    d.expired.append(r)
+                    gone.append(r)
+                elif start + co.seconds(1, r.length) > self._due(r):
+                    if shed_on:
+                        d.shed.append(r)
+                        gone.append(r)
+                        self.shed_counts["queue"] += 1
+                    else:
+                        break  # served late: counted when its batch is emitted
+                else:
+                    break  # the rest is checked when it reaches the head
+            if not gone:
+                return window
+            self._take(queues, gone)
+            if not q:
+                return []
+
+    def _top_up(
+        self,
+        queues: Queues,
+        cfg: SchedulerConfig,
+        lane: int,
+        members: list[Request],
+        pad: int,
+        start: float,
+        now: float,
+        d: Decision,
+    ) -> float:
+        """Merge requests of the next shorter lanes into `members` while it pays; returns
+        the batch's predicted seconds."""
+        co = self.cost.coefficients
+        cap = cfg.lanes[lane].max_batch
+        min_due = min(self._due(r) for r in members)
+        exec_s = co.seconds(len(members), pad)
+        for j in range(lane - 1, -1, -1):
+            q = queues.lanes[j]
+            if not q or len(members) >= cap or pad * (len(members) + 1) > cfg.max_batch_tokens:
+                break
+            jcap = cfg.lanes[j].max_batch
+            window = self._ordered(q, now, jcap)
+            left = min(len(q), jcap)
+            taken: list[Request] = []
+            for r in window:
+                n = len(members)
+                if n >= cap or pad * (n + 1) > cfg.max_batch_tokens:
+                    break
+                if r.deadline is not None and r.deadline <= now:
+                    continue  # the lane's own turn expires it
+                grown = co.seconds(n + 1, pad)
+                own_pad = max(x.length for x in window[len(taken) :])
+                own_share = co.seconds(left, own_pad) / left
+                new_due = min(min_due, self._due(r))
+                if grown - exec_s >= own_share or start + grown > new_due:
+                    break
+                members.append(r)
+                taken.append(r)
+                exec_s, min_due = grown, new_due
+                left -= 1
+                d.merges.append((j, lane))
+                self.merges[(j, lane)] = self.merges.get((j, lane), 0) + 1
+            if taken:
+                self._take(queues, taken)
+            if len(taken) < len(window):
+                break  # this lane stopped paying: the lanes below it would pay even less
+        return exec_s
+
+    @staticmethod
+    def _take(queues: Queues, requests: list[Request]) -> None:
+        """Remove `requests` from their lanes (fast when they are a lane's head, in order)."""
+        by_lane: dict[int, list[Request]] = {}
+        for r in requests:
+            by_lane.setdefault(r.lane, []).append(r)
+        for lane, rs in by_lane.items():
+            q = queues.lanes[lane]
+            k = 0
+            for r in rs:
+                if k < len(q) and q[k] is r:
+                    k += 1
+                else:
+                    break
+            present: int
+            if k == len(rs):
+                for _ in range(k):
+                    q.popleft()
+                present = k
+            else:
+                ids = {id(r) for r in rs}
+                kept = [r for r in q if id(r) not in ids]
+                present = len(q) - len(kept)
+                q.clear()
+                q.extend(kept)
+            queues.size -= present
+
+    # ------------------------------------------------------------------ what /stats shows
+
+    def describe(self, labels: Sequence[str], now: float) -> dict[str, Any]:
+        """The strategy's current state: windows, targets and rates per lane, cost model,
+        merges per lane pair, sheds, priority levels."""
+        pol = self.policy
+        return {
+            "slo_ms": [round(s * 1000, 3) for s in pol.level_slo],
+            "switches": {
+                "late_binding": pol.late_binding,
+                "fill_above_load": pol.fill_load,
+                "merge": pol.merge,
+                "shed": pol.shed.value,
+                "priority_levels": pol.levels,
+            },
+            "min_wait_ms": pol.min_wait * 1000,
+            "max_wait_ms": pol.max_wait * 1000,
+            "aging_ms": pol.aging * 1000,
+            "load": self.load(now),
+            "lanes": [
+                {
+                    "bucket": labels[i] if i < len(labels) else str(i),
+                    "arrival_rate": self.rate(i, now),
+                    "target_batch": self.target[i],
+                    "fill_window_ms": self.wait[i] * 1000,
+                    "padded_len": self._pad[i],
+                }
+                for i in range(len(self._rate))
+            ],
+            "cost_model": self.cost.describe(),
+            "merges": [
+                {"from": labels[a] if a < len(labels) else str(a), "into": labels[b], "n": n}
+                for (a, b), n in sorted(self.merges.items())
+                if b < len(labels)
+            ],
+            "shed": dict(self.shed_counts),
+            "served_late": self.late,
+        }

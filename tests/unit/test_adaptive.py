@@ -1,0 +1,317 @@
+"""The `adaptive` strategy's pure parts: online cost model, late binding, deadlines, merges,
+shedding, priorities. Explicit times (a fake clock), no sleeps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
+from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState, check_slo, derive_slo
+from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.errors import Overloaded, Unavailable
+from lenbatch.core.queues import Queues
+from lenbatch.core.request import Request
+from lenbatch.core.scheduler import schedule
+from tests.helpers import push, sched_cfg
+
+TRUE = CostCoefficients(0.02, 2.5e-4, 1.5e-7)  # the MiniLM profile on a 2-core CPU, roughly
+
+
+def _cfg(**kw: object) -> SchedulerConfig:
+    base: dict[str, object] = {"max_batch": 32, "max_batch_tokens": 8192}
+    base.update(kw)
+    return sched_cfg("adaptive", (16, 32, 64), 128, **base)
+
+
+def _state(cfg: SchedulerConfig, slo: float = 1.0, **kw: object) -> AdaptiveState:
+    policy = AdaptivePolicy(level_slo=(slo,), **kw)  # type: ignore[arg-type]
+    return AdaptiveState(policy, OnlineCostModel(TRUE), cfg)
+
+
+def _arrive(q: Queues, st: AdaptiveState, length: int, t: float, **kw: object) -> Request:
+    r = push(q, length, t, **kw)
+    r.due = st.due_of(t, r.priority, None)
+    st.on_arrival(r.lane, length, t)
+    return r
+
+
+# ---------------------------------------------------------------------- online cost model
+
+
+def test_cost_model_converges_on_a_synthetic_cost() -> None:
+    """Fed noisy timings of a known cost, the fit recovers it (from a wrong prior)."""
+    rng = np.random.default_rng(0)
+    model = OnlineCostModel(CostCoefficients(0.1, 1e-3, 0.0), window=200)
+    for _ in range(400):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(8, 257))
+        model.observe(b, n, TRUE.seconds(b, n) * float(rng.normal(1.0, 0.02)))
+    co = model.coefficients
+    assert co.a == pytest.approx(TRUE.a, rel=0.1)
+    assert co.b == pytest.approx(TRUE.b, rel=0.1)
+    for b, n in [(1, 16), (8, 64), (32, 256)]:
+        assert model.seconds(b, n) == pytest.approx(TRUE.seconds(b, n), rel=0.03)
+    err = model.fit_error()
+    assert err is not None and err < 0.05
+
+
+def test_cost_model_without_data_uses_its_prior_and_stays_non_negative() -> None:
+    """No batches: the prior predicts. Degenerate data (one shape) never makes a term negative."""
+    model = OnlineCostModel(TRUE)
+    assert model.seconds(4, 64) == pytest.approx(TRUE.seconds(4, 64))
+    for _ in range(50):
+        model.observe(1, 16, 0.001)  # far below the prior, always the same shape
+    co = model.coefficients
+    assert co.a >= 0 and co.b >= 0 and co.c >= 0
+    assert model.seconds(1, 16) == pytest.approx(0.001, rel=0.3)
+    assert model.describe()["observed_batches"] == 50
+
+
+def test_cost_model_from_profile_json() -> None:
+    """A profile's const (+ calibrated batch overhead), per_token and per_token_sq seed it."""
+    co = CostCoefficients.from_profile(
+        {"const": 0.02, "batch_overhead_s": 0.005, "per_token": 1e-4, "per_token_sq": 2e-7}
+    )
+    assert (co.a, co.b, co.c) == pytest.approx((0.025, 1e-4, 2e-7))
+
+
+# ---------------------------------------------------------------------- late binding
+
+
+def test_fill_window_widens_then_narrows_with_the_arrival_rate_within_bounds() -> None:
+    """Rare arrivals: no wait (a batch of one). More traffic: the lane waits for a batch. Much
+    more: the batch fills faster, so the window narrows; always within [min, max]."""
+    cfg = _cfg()
+    st = _state(cfg, slo=1.0, min_wait=0.001, max_wait=0.08)
+    windows = []
+    for rate in (0.2, 5.0, 20.0, 80.0, 400.0, 3000.0):
+        st.reset_lanes(cfg)
+        for k in range(200):
+            st.on_arrival(2, 50, k / rate)
+        now = 199 / rate
+        target = st.target_batch(2, cfg, now, 1.0)
+        windows.append(st.fill_window(2, target, now))
+    assert windows[0] == pytest.approx(0.001)  # the minimum: nothing to wait for
+    assert all(0.001 <= w <= 0.08 for w in windows)
+    peak = int(np.argmax(windows))
+    assert 0 < peak < len(windows) - 1
+    assert windows[: peak + 1] == sorted(windows[: peak + 1])
+    assert windows[peak:] == sorted(windows[peak:], reverse=True)
+    assert windows[-1] < windows[peak]
+
+
+def test_a_lane_waits_while_filling_pays_and_runs_at_its_window() -> None:
+    """Steady 100 req/s: the first request is held (a timer set within max_wait), and the lane
+    runs once its window has passed."""
+    cfg = _cfg()
+    st = _state(cfg, slo=1.0, max_wait=0.05)
+    q = Queues(cfg)
+    for k in range(100):
+        st.on_arrival(2, 50, k * 0.01)
+    _arrive(q, st, 50, 1.0)
+    d = schedule(q, 1.0, cfg, st)
+    assert d.batches == []
+    assert d.wake_at is not None and 1.0 < d.wake_at <= 1.05
+    d = schedule(q, d.wake_at, cfg, st)
+    assert [b.size for b in d.batches] == [1]
+
+
+def test_late_binding_off_runs_at_once() -> None:
+    """The switch: with late binding off a lane runs as soon as a slot is free."""
+    cfg = _cfg()
+    st = _state(cfg, late_binding=False)
+    q = Queues(cfg)
+    for k in range(100):
+        st.on_arrival(2, 50, k * 0.01)
+    _arrive(q, st, 50, 1.0)
+    assert [b.size for b in schedule(q, 1.0, cfg, st).batches] == [1]
+
+
+def test_no_wait_when_one_more_request_does_not_pay() -> None:
+    """With no fixed cost per call, batching gains nothing: the lane runs at once."""
+    cfg = _cfg()
+    policy = AdaptivePolicy(level_slo=(1.0,), max_wait=0.05)
+    st = AdaptiveState(policy, OnlineCostModel(CostCoefficients(0.0, 2.5e-4, 0.0)), cfg)
+    q = Queues(cfg)
+    for k in range(100):
+        st.on_arrival(2, 50, k * 0.01)
+    _arrive(q, st, 50, 1.0)
+    assert [b.size for b in schedule(q, 1.0, cfg, st).batches] == [1]
+
+
+# ---------------------------------------------------------------------- deadlines
+
+
+def test_no_batch_is_started_that_breaks_a_deadline_when_a_feasible_one_exists() -> None:
+    """Two ready lanes, one slot: the older lane's batch cannot meet its due time any more
+    (served late), the other's can; the feasible one goes first."""
+    cfg = replace(_cfg(), slots=1)
+    st = _state(cfg, slo=0.2, shed=ShedMode.LATE, late_binding=False)
+    q = Queues(cfg)
+    late = _arrive(q, st, 60, 0.0)  # due 0.2; alone it takes ~0.036 s
+    ok = _arrive(q, st, 10, 0.15)  # due 0.35
+    d = schedule(q, 0.19, cfg, st)
+    assert d.batches[0].requests == [ok] and len(d.batches) == 1
+    assert late in q.lanes[late.lane]
+
+
+def test_a_batch_stops_growing_before_it_breaks_a_members_due_time() -> None:
+    """The head is due soon: the batch takes only as many rows as still finish in time."""
+    cfg = _cfg()
+    st = _state(cfg, slo=10.0, late_binding=False)
+    q = Queues(cfg)
+    head = _arrive(q, st, 60, 0.0)
+    head.due = 0.1  # e.g. a short X-Request-Timeout
+    for k in range(20):
+        _arrive(q, st, 60, 0.001 * (k + 1))
+    d = schedule(q, 0.03, cfg, st)
+    first = d.batches[0]
+    assert first.requests[0] is head
+    assert 0.03 + TRUE.seconds(first.size, first.padded_len) <= 0.1
+    assert first.size < 21
+
+
+def test_shedding_answers_once_with_the_documented_code() -> None:
+    """A queued request that cannot meet its due time even alone is shed once (never also
+    batched); admission refuses a call predicted late with 429 (or 503) and a Retry-After."""
+    cfg = _cfg()
+    st = _state(cfg, slo=0.1)
+    q = Queues(cfg)
+    stale = _arrive(q, st, 60, 0.0)
+    fresh = _arrive(q, st, 60, 0.09)
+    d = schedule(q, 0.08, cfg, st)  # 0.08 + 0.036 > 0.1: stale cannot make it
+    assert d.shed == [stale]
+    assert all(stale not in b.requests for b in d.batches)
+    assert fresh in [r for b in d.batches for r in b.requests] or fresh in q.lanes[fresh.lane]
+    d2 = schedule(q, 0.09, cfg, st)
+    assert stale not in d2.shed
+    err = st.shed_error(stale, 0.08)
+    assert isinstance(err, Overloaded) and err.status == 429 and err.code == "deadline_unmeetable"
+    assert err.retry_after is not None and err.retry_after > 0
+    # admission: a deep queue ahead of a 100 ms budget
+    q2 = Queues(cfg)
+    for _ in range(200):
+        _arrive(q2, st, 60, 1.0)
+    refusal = st.admit([60], 1.1, q2, cfg, 1.0)
+    assert isinstance(refusal, Overloaded) and refusal.retry_after is not None
+    assert refusal.retry_after > 0.5
+    st503 = _state(cfg, slo=0.1, shed=ShedMode.REJECT_503)
+    refusal = st503.admit([60], 1.1, q2, cfg, 1.0)
+    assert isinstance(refusal, Unavailable) and refusal.status == 503
+    late = _state(cfg, slo=0.1, shed=ShedMode.LATE)
+    assert late.admit([60], 1.1, q2, cfg, 1.0) is None
+
+
+# ---------------------------------------------------------------------- merges
+
+
+def test_merges_top_up_a_short_batch_within_the_token_budget() -> None:
+    """Low traffic: a lone long request takes the shorter lanes' few requests along (each
+    costs less padded in than in a call of its own), never past the token budget, and each
+    merge is counted per lane pair."""
+    for budget, size in ((8192, 4), (180, 3)):
+        cfg = _cfg(max_batch_tokens=budget)
+        st = _state(cfg, late_binding=False)
+        q = Queues(cfg)
+        long = _arrive(q, st, 60, 0.0)  # lane 2 (33-64)
+        shorter = [_arrive(q, st, n, 0.001 * k) for k, n in enumerate([30, 28, 12])]
+        d = schedule(q, 0.01, cfg, st)
+        b = d.batches[0]
+        assert b.lane == 2 and b.padded_len == 60
+        assert b.padded_tokens <= budget
+        assert b.requests == [long, *shorter][:size]
+        assert d.merges == [(1, 2), (1, 2), (0, 2)][: size - 1]
+        assert st.merges == {(1, 2): 2, **({(0, 2): 1} if size == 4 else {})}
+        rest = [r for x in d.batches[1:] for r in x.requests] + [r for x in q.lanes for r in x]
+        assert rest == shorter[size - 1 :]  # nothing lost, nothing twice
+
+
+def test_a_merge_stops_where_the_shorter_lane_runs_cheaper_on_its_own() -> None:
+    """Four short requests share a call of their own for less than padding each to 60."""
+    cfg = _cfg()
+    st = _state(cfg, late_binding=False)
+    q = Queues(cfg)
+    _arrive(q, st, 60, 0.0)
+    for k, n in enumerate([12, 10, 9, 8]):
+        _arrive(q, st, n, 0.001 * k)
+    d = schedule(q, 0.01, cfg, st)
+    assert d.merges == []
+    # marginal cost of a row padded to 60 vs its share of the four's own batch
+    assert TRUE.seconds(2, 60) - TRUE.seconds(1, 60) > TRUE.seconds(4, 12) / 4
+
+
+def test_no_merges_when_switched_off_or_when_lanes_fill_on_their_own() -> None:
+    """`merge = false` merges nothing; a full shorter lane is cheaper on its own."""
+    cfg = _cfg()
+    off = _state(cfg, late_binding=False, merge=False)
+    q = Queues(cfg)
+    _arrive(q, off, 60, 0.0)
+    _arrive(q, off, 30, 0.0)
+    d = schedule(q, 0.0, cfg, off)
+    assert d.merges == [] and all(len({r.lane for r in b.requests}) == 1 for b in d.batches)
+    on = _state(cfg, late_binding=False)
+    q = Queues(cfg)
+    _arrive(q, on, 60, 0.0)
+    for k in range(32):
+        _arrive(q, on, 30, 0.0001 * k)
+    d = schedule(q, 0.01, cfg, on)
+    assert d.merges == []
+
+
+# ---------------------------------------------------------------------- priorities
+
+
+def test_strict_levels_fifo_within_a_level() -> None:
+    """A higher level runs first; within a level, arrival order."""
+    cfg = _cfg(max_batch=2)
+    policy = AdaptivePolicy(level_slo=(5.0, 5.0), late_binding=False, merge=False)
+    st = AdaptiveState(policy, OnlineCostModel(TRUE), cfg)
+    q = Queues(cfg)
+    low = [_arrive(q, st, 50, 0.001 * k, priority=0) for k in range(2)]
+    high = [_arrive(q, st, 50, 0.01 + 0.001 * k, priority=1) for k in range(2)]
+    d = schedule(q, 0.02, cfg, st)
+    assert [b.requests for b in d.batches] == [high, low]
+
+
+def test_aging_bounds_the_low_levels_wait_under_a_high_level_flood() -> None:
+    """A steady flood of level-1 requests would starve a level-0 one; aging runs it once it has
+    waited `aging`, and not much later (one batch)."""
+    cfg = replace(_cfg(max_batch=4), slots=1)
+    policy = AdaptivePolicy(level_slo=(100.0, 100.0), late_binding=False, merge=False, aging=0.5)
+    st = AdaptiveState(policy, OnlineCostModel(TRUE), cfg)
+    q = Queues(cfg)
+    low = _arrive(q, st, 50, 0.0, priority=0)
+    now = 0.0
+    served_at = None
+    k = 0
+    while now < 5.0 and served_at is None:
+        for _ in range(8):  # more high-level work arrives than one batch takes
+            _arrive(q, st, 50, now, priority=1)
+            k += 1
+        d = schedule(q, now, cfg, st)
+        for b in d.batches:
+            if low in b.requests:
+                served_at = now
+        longest = max((TRUE.seconds(b.size, b.padded_len) for b in d.batches), default=0.01)
+        for b in d.batches:
+            q.batch_done(b.lane)
+        now += longest
+    assert served_at is not None
+    assert 0.5 <= served_at <= 0.5 + 2 * TRUE.seconds(4, 50)
+
+
+def test_policy_from_config_and_slo_checks() -> None:
+    """Per-level SLOs from the config; an SLO the longest input cannot meet alone is refused,
+    saying why; the derived default is 4x that time."""
+    ac = AdaptiveConfig(priority_levels=2, priority_slo_ms=(800, 200), max_wait_ms=30)
+    pol = AdaptivePolicy.from_config(ac, 0.5)
+    assert pol.level_slo == (0.8, 0.2) and pol.max_wait == pytest.approx(0.03)
+    cost = OnlineCostModel(TRUE)
+    check_slo(pol, cost, 256)
+    with pytest.raises(ValueError, match=r"level 1's SLO of 20 ms .* at least \d+"):
+        check_slo(AdaptivePolicy(level_slo=(1.0, 0.02)), cost, 256)
+    assert derive_slo(cost, 256) == pytest.approx(4 * TRUE.seconds(1, 256))
+    with pytest.raises(ValueError, match="one per level"):
+        AdaptiveConfig(priority_levels=3, priority_slo_ms=(1, 2))
