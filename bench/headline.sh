@@ -6,7 +6,7 @@
 #   lenbatch  adaptive and bucketed, both with configs/minilm-azure-conv.toml (tuned boundaries,
 #             two batches in flight on one torch thread each) and serve's defaults otherwise
 #             (--dtype auto: bf16 where the CPU has it; --execution auto: packed for MiniLM)
-#   vLLM      model threads on every core, float32 (its default dtype for this model) and bf16
+#   vLLM      model threads on every core, float32 (as in bench/replay_peers.sh) and bf16
 #   Infinity  torch engine, float32
 #
 #   bench/headline.sh      # ~8 min on 2 cores; writes bench/results/headline/
