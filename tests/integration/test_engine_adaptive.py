@@ -148,6 +148,18 @@ async def test_priority_outside_the_levels_is_a_400_naming_the_range() -> None:
         await engine.stop()
 
 
+async def test_one_priority_level_says_how_to_get_more() -> None:
+    """With the default single level the error says only 0 is allowed and how to add levels."""
+    engine = Engine(FakeRunner(max_length=128), ADAPTIVE)
+    await engine.start()
+    try:
+        with pytest.raises(BadInput, match=r"priority must be 0 .*--priority-levels N"):
+            await engine.embed([_ids(5)], priority=1)
+        assert len(await engine.embed([_ids(5)], priority=0)) == 1
+    finally:
+        await engine.stop()
+
+
 def test_priority_field_and_header_over_http(live_server: Any) -> None:
     """The body's `priority` and the X-Priority header both reach the engine; out of range is
     a 400 in the OpenAI error shape naming the range; a non-integer header is a 400 too."""

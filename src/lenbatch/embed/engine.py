@@ -280,11 +280,12 @@ class Engine(BaseEngine):
         if self.state is not EngineState.RUNNING:
             raise self.refusal()
         if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
-            raise BadInput(
-                f"priority must be an integer in [0, {self.priority_levels - 1}] (higher runs "
-                f"first); got {priority!r}",
-                code="invalid_priority",
+            allowed = (
+                "0 (this server has one priority level: start it with --priority-levels N for more)"
+                if self.priority_levels == 1
+                else f"an integer in [0, {self.priority_levels - 1}] (higher runs first)"
             )
+            raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
         loop = asyncio.get_running_loop()
         if inputs and isinstance(inputs[0], str):
             # One batch-encode call per request, in a worker thread (see __init__).
