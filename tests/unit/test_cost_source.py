@@ -16,6 +16,11 @@ from lenbatch.runners import hardware
 HERE = "cpu:Test CPU family 1 x2"
 
 
+def _fake_key(device: str = "cpu", threads: int | None = None) -> str:
+    """This machine's key, as `processor_key`: 2 torch threads unless told otherwise."""
+    return f"cpu:Test CPU family 1 x{threads or 2}"
+
+
 def _write(folder: Path, name: str, const: float, **kw: str) -> Path:
     path = folder / name
     CostModel(const, **kw).save(path)  # type: ignore[arg-type]
@@ -25,7 +30,7 @@ def _write(folder: Path, name: str, const: float, **kw: str) -> Path:
 @pytest.fixture
 def costs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder with cost models of two processors, a keyless old one and a non-cost JSON."""
-    monkeypatch.setattr(hardware, "processor_key", lambda device="cpu": HERE)
+    monkeypatch.setattr(hardware, "processor_key", _fake_key)
     monkeypatch.setenv("LENBATCH_COST_DIR", str(tmp_path))
     _write(tmp_path, "other_cpu.json", 0.5, processor="cpu:Other CPU x2", dtype="bfloat16")
     _write(tmp_path, "old.json", 0.4)
@@ -76,14 +81,13 @@ def test_no_match_is_an_error_naming_what_exists(
 ) -> None:
     """Another thread count is another processor key: the error lists every cost file and
     the processor it was measured on, and skips JSON that is not a cost model."""
-    monkeypatch.setattr(hardware, "processor_key", lambda device="cpu": "cpu:Test CPU x1")
     with pytest.raises(ValueError) as exc:
-        load_cost_model("auto")
+        load_cost_model("auto", threads=1)
     msg = str(exc.value)
     for name in ("other_cpu.json", "old.json", "here_fp32.json", "here_bf16.json"):
         assert name in msg
     assert "cpu:Other CPU x2" in msg and "no processor key" in msg
-    assert "cpu:Test CPU x1" in msg and "ray_overhead" not in msg
+    assert "cpu:Test CPU family 1 x1" in msg and "ray_overhead" not in msg
     monkeypatch.setenv("LENBATCH_COST_DIR", str(costs / "missing"))
     with pytest.raises(ValueError, match="does not exist"):
         load_cost_model("auto")
