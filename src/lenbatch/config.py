@@ -306,8 +306,10 @@ class ModelConfig(BaseModel):
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
     cost_model: str | None = None
-    """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with; serve
-    warns at start-up when it was measured on another processor (or does not say)."""
+    """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
+    (the one in `$LENBATCH_COST_DIR`, default `bench/results/`, measured on this processor) or
+    a live adaptive server's URL (its online fit); serve warns at start-up when a file was
+    measured on another processor (or does not say)."""
     execution: Literal["auto", "padded", "packed"] = "auto"
     """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
     tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`

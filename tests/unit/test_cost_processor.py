@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lenbatch.cli.common import load_cost_model
-from lenbatch.cli.serve import _check_cost_model
+from lenbatch.cli.serve import _serve_cost
 from lenbatch.core.clock import FakeClock
 from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.profile import profile_and_fit
@@ -60,7 +60,7 @@ def test_readers_warn_on_another_processor(
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "Some Other CPU" in err
     with caplog.at_level(logging.INFO, logger="lenbatch"):
-        _check_cost_model(str(foreign), "cpu")
-        _check_cost_model(str(own), "cpu")
+        _serve_cost(str(foreign), "cpu", FakeRunner())
+        _serve_cost(str(own), "cpu", FakeRunner())
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "Some Other CPU" in warnings[0].getMessage()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lenbatch.cli.common import COST_HELP
 from lenbatch.cli.traffic import add_traffic_options, describe, traffic_from_args
 
 
@@ -79,9 +80,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--cost",
-        metavar="FILE",
-        help="cost model JSON (from `lenbatch profile`): add the simulator's prediction of "
-        "each strategy's run beside the live figures",
+        metavar="FILE|auto|URL",
+        help="add the simulator's prediction of each strategy's run beside the live "
+        "figures, from this " + COST_HELP,
     )
     p.add_argument("--title", default=None, help="report title")
     p.add_argument("--conditions", default=None, help="a note on the conditions, in the report")
@@ -93,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench, targets_for
 
     serve_args = shlex.split(args.serve_args)
+    if args.cost:
+        from lenbatch.cli.common import pin_cost_spec
+
+        # `auto` names one file for the whole run, and the report names that file.
+        args.cost = pin_cost_spec(args.cost)
     targets = targets_for(
         args.strategies,
         args.peer,
@@ -169,12 +175,12 @@ def oracle_figures(
     given cost model: for each strategy with the batching its server gets, and for the peers
     with a plain `lenbatch serve --max-batch N` (the same caps). Returns
     ({name: {real_tokens_per_s, throughput_rps, padding_waste}}, note)."""
+    from lenbatch.cli.common import load_cost_model
     from lenbatch.cli.predict import batching_for
-    from lenbatch.plan.costmodel import CostModel
     from lenbatch.plan.oracle import oracle_for
     from lenbatch.replay.bodies import model_max_length
 
-    cost = CostModel.load(args.cost)
+    cost = load_cost_model(args.cost, warn=False)
     limit = model_max_length(args.model) or 512
     out: dict[str, dict[str, float]] = {}
     names = [*args.strategies, *(["peers"] if args.peer else [])]
@@ -204,10 +210,10 @@ def oracle_figures(
 def _append_calibration(report: Path, cost_path: str) -> None:
     """Add `lenbatch calibrate`'s table to the report and write DIR/calibrated_cost.json."""
     from lenbatch.cli.calibrate import calibrate_report
-    from lenbatch.plan.costmodel import CostModel
+    from lenbatch.cli.common import load_cost_model
 
     try:
-        cal = calibrate_report(report.parent, CostModel.load(cost_path))
+        cal = calibrate_report(report.parent, load_cost_model(cost_path, warn=False))
     except ValueError as exc:  # e.g. every run failed: the report stands without it
         print(f"bench: no calibration: {exc}", file=sys.stderr)
         return

@@ -11,6 +11,7 @@ from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
 
 __all__ = [
+    "COST_HELP",
     "adaptive_overrides",
     "add_adaptive_options",
     "add_batching_options",
@@ -18,6 +19,7 @@ __all__ = [
     "batching_overrides",
     "int_list",
     "load_cost_model",
+    "pin_cost_spec",
     "trace_from_args",
 ]
 
@@ -228,16 +230,57 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     )
 
 
-def load_cost_model(path: str, device: str = "cpu", *, warn: bool = True) -> CostModel:
-    """Read a cost model; print a warning (stderr) when it was measured on another processor
-    than this one, whose latencies it then does not describe."""
+def load_cost_model(
+    spec: str,
+    device: str = "cpu",
+    *,
+    warn: bool = True,
+    dtype: str | None = None,
+    execution: str | None = None,
+    threads: int | None = None,
+) -> CostModel:
+    """Read the cost model `--cost` names: a JSON file, `auto` (the file in
+    `LENBATCH_COST_DIR`, default `bench/results/`, measured on this processor; see
+    `lenbatch.plan.costsource`) or a live server's URL (strategy adaptive's online fit).
+    `threads` is the torch thread count the command runs the model with (part of the key).
+    Says on stderr which one was taken and why (with `warn`), and warns when a file was
+    measured on another processor than this one, whose latencies it then does not describe."""
     import sys
 
-    cost = CostModel.load(path)
-    if warn:
-        from lenbatch.runners.hardware import processor_key
+    from lenbatch.plan.costsource import resolve_cost
+    from lenbatch.runners.hardware import processor_key
 
-        problem = processor_mismatch(cost, processor_key(device))
+    here = processor_key(device, threads)
+    choice = resolve_cost(spec, here, dtype=dtype, execution=execution)
+    if warn:
+        if choice.source != spec or not choice.from_file:
+            print(f"cost model: {choice.source} ({choice.reason})", file=sys.stderr)
+        problem = processor_mismatch(choice.cost, here) if choice.from_file else None
         if problem:
-            print(f"warning: {path}: {problem}", file=sys.stderr)
-    return cost
+            print(f"warning: {choice.source}: {problem}", file=sys.stderr)
+    return choice.cost
+
+
+def pin_cost_spec(
+    spec: str, device: str = "cpu", *, dtype: str | None = None, execution: str | None = None
+) -> str:
+    """`--cost auto` resolved to the file it picks (said on stderr); a path or URL unchanged.
+    For commands that read the cost model more than once or name it in a report."""
+    import sys
+
+    from lenbatch.plan.costsource import AUTO, choose_auto
+    from lenbatch.runners.hardware import processor_key
+
+    if spec.strip().lower() != AUTO:
+        return spec
+    path, why = choose_auto(processor_key(device), dtype=dtype, execution=execution)
+    print(f"cost model: {path} ({why})", file=sys.stderr)
+    return str(path)
+
+
+COST_HELP = (
+    "cost model: a JSON file (`lenbatch profile` or `calibrate` output), 'auto' (the file in "
+    "$LENBATCH_COST_DIR, default bench/results/, measured on this processor: exact processor "
+    "key incl. torch threads, preferring the dtype/execution run and a calibrated one), or a "
+    "live server's URL http://HOST:PORT (strategy adaptive's online-fitted model from /stats)"
+)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lenbatch.cli.common import add_trace_options, load_cost_model, trace_from_args
+from lenbatch.cli.common import COST_HELP, add_trace_options, load_cost_model, trace_from_args
 from lenbatch.config import BatchingConfig
 from lenbatch.plan.fitting import (
     AUTO_MAX_BUCKETS,
@@ -129,9 +129,8 @@ def register(sub: Any) -> None:
     )
     f.add_argument(
         "--cost",
-        metavar="COST.json",
-        help="cost model from `lenbatch profile`: its per-batch constant, in tokens, is "
-        "the batch overhead",
+        metavar="FILE|auto|URL",
+        help="cost model whose per-batch constant, in tokens, is the batch overhead; " + COST_HELP,
     )
     f.add_argument(
         "--batch-overhead-tokens",

@@ -101,11 +101,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--cost",
-        metavar="FILE",
-        help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`): "
-        "seeds adaptive's online cost model (without it: a generic CPU guess, then learned "
-        "from the engine's own batches); start-up warns when it was measured on another "
-        "processor",
+        metavar="FILE|auto|URL",
+        help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`; "
+        "'auto': the one in $LENBATCH_COST_DIR, default bench/results/, measured on this "
+        "processor with this dtype/execution; or a live adaptive server's URL, its online "
+        "fit): seeds adaptive's online cost model (without it: a generic CPU guess, then "
+        "learned from the engine's own batches); start-up warns when it was measured on "
+        "another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         default_truncate=m.truncate,
         length_log=length_log,
         adaptive=settings.adaptive,
-        cost_prior=_cost_prior(m.cost_model),
+        cost_prior=_cost_prior(_serve_cost(m.cost_model, m.device, runner)),
     )
     log.info(
         "model %s: max_length=%d dim=%d padding=%s",
@@ -228,7 +230,6 @@ def run(args: argparse.Namespace) -> int:
         runner.info.padding_side,
     )
     _log_precision(runner)
-    _check_cost_model(m.cost_model, m.device)
     log.info(engine.describe())
     serve(engine, settings)
     return 0
@@ -295,32 +296,40 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     return create_llm_app(engine, settings), engine
 
 
-def _check_cost_model(path: str | None, device: str) -> None:
-    """Warn when the deployment's cost model was measured on another processor."""
-    if not path:
-        return
-    from lenbatch.plan.costmodel import CostModel, processor_mismatch
+def _serve_cost(spec: str | None, device: str, runner: Any) -> Any:
+    """The deployment's cost model (`--cost` FILE, auto or a server URL; None without one),
+    preferring, for `auto`, one measured with the runner's dtype and execution. Says which
+    was taken, and warns when a file came from another processor."""
+    if not spec:
+        return None
+    from lenbatch.plan.costmodel import processor_mismatch
+    from lenbatch.plan.costsource import resolve_cost
+    from lenbatch.runners.base import PackedEmbeddingRunner
     from lenbatch.runners.hardware import processor_key
 
-    cost = CostModel.load(path)
+    precision = getattr(runner, "precision", None)
     here = processor_key(device)
-    problem = processor_mismatch(cost, here)
+    choice = resolve_cost(
+        spec,
+        here,
+        dtype=precision.name if precision is not None else None,
+        execution="packed" if isinstance(runner, PackedEmbeddingRunner) else "padded",
+    )
+    problem = processor_mismatch(choice.cost, here) if choice.from_file else None
     if problem:
-        log.warning("%s: %s", path, problem)
+        log.warning("%s: %s", choice.source, problem)
     else:
-        log.info("cost model %s was measured on this processor (%s)", path, here)
+        log.info("cost model %s (%s)", choice.source, choice.reason)
+    return choice.cost
 
 
-def _cost_prior(path: str | None) -> Any:
-    """The online cost model's prior from a profile file (None without one)."""
-    if path is None:
+def _cost_prior(cost: Any) -> Any:
+    """The online cost model's prior from a cost model (None without one)."""
+    if cost is None:
         return None
-    import json
-    from pathlib import Path
-
     from lenbatch.core.costfit import CostCoefficients
 
-    return CostCoefficients.from_profile(json.loads(Path(path).read_text(encoding="utf-8")))
+    return CostCoefficients.from_profile(cost.to_json())
 
 
 def _log_precision(runner: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from lenbatch.cli.common import (
+    COST_HELP,
     adaptive_overrides,
     add_adaptive_options,
     add_batching_options,
@@ -54,9 +55,7 @@ def float_list(text: str) -> list[float]:
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
     """--cost, --config, the serve batching flags, --concurrency, --truncate, --json."""
-    p.add_argument(
-        "--cost", required=True, metavar="FILE", help="cost model JSON (`lenbatch profile`)"
-    )
+    p.add_argument("--cost", required=True, metavar="FILE|auto|URL", help=COST_HELP)
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml) as for serve")
     add_batching_options(p)
     add_adaptive_options(p)
@@ -88,6 +87,22 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, os.environ, overrides)
 
 
+def _run_dtype(settings: Settings) -> str | None:
+    """The float type `serve` would run these settings with (for `--cost auto`), or None
+    where it cannot say (an unknown dtype is left to the runner to refuse)."""
+    from lenbatch.runners.hardware import resolve_precision
+
+    try:
+        return resolve_precision(settings.model.dtype, settings.model.device).name
+    except ValueError:
+        return None
+
+
+def _run_execution(settings: Settings) -> str | None:
+    """The execution `serve` would run (None for `auto`, which depends on the model)."""
+    return None if settings.model.execution == "auto" else settings.model.execution
+
+
 @dataclass
 class SimContext:
     """What every simulation report starts from: the trace, its mapping, the model limit, the
@@ -109,7 +124,13 @@ class SimContext:
             raise ValueError("the trace (after mapping) has no requests")
         return cls(
             trace,
-            load_cost_model(args.cost),
+            load_cost_model(
+                args.cost,
+                settings.model.device,
+                dtype=_run_dtype(settings),
+                execution=_run_execution(settings),
+                threads=settings.model.torch_threads,
+            ),
             settings,
             settings.model.max_length or MINILM_MAX_LENGTH,
             settings.model.truncate,

@@ -55,16 +55,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(found.group(1).split()) if found else frozenset()
 
 
-def processor_key(device: str = "cpu") -> str:
+def processor_key(device: str = "cpu", threads: int | None = None) -> str:
     """A stable name for the processor a measurement came from: CPU model, family and cores,
-    or the GPU's name. Cost models and profiles are stored and looked up under it."""
+    or the GPU's name. Cost models and profiles are stored and looked up under it. `threads`:
+    the torch thread count a run will use (default: this process's)."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name(dev)}"
     info = _cpuinfo()
     family = re.search(r"^cpu family\s*:\s*(\d+)$", info, re.MULTILINE)
     fam = f" family {family.group(1)}" if family else ""
-    return f"cpu:{cpu_model()}{fam} x{torch.get_num_threads()}"
+    return f"cpu:{cpu_model()}{fam} x{threads or torch.get_num_threads()}"
 
 
 @dataclass(frozen=True, slots=True)
