@@ -213,3 +213,33 @@ async def test_auto_boundaries_are_learnt_from_the_first_requests() -> None:
     assert stats["refit"]["events"][0]["old"] == [128]
     assert f"lenbatch_refits_total {float(stats['refit']['refits'])}" in metrics
     assert stats["unanswered"] == 0
+
+
+async def test_engine_and_simulator_make_the_same_first_refit_on_the_same_lengths() -> None:
+    """The same lengths, in the same order, through the engine and through the simulator
+    (both with the generic cost prior): the first re-fit swaps the same boundaries."""
+    from lenbatch.plan.costmodel import CostModel
+    from lenbatch.plan.sim import simulate
+    from lenbatch.plan.trace import Trace
+
+    lengths = [5, 9, 12, 30, 33, 40, 7, 64, 21, 18] * 4
+    batching = BatchingConfig(strategy="adaptive", boundaries="auto")  # type: ignore[arg-type]
+    ac = AdaptiveConfig(slo_ms=10_000, refit_min_requests=20, refit_min_interval_s=0)
+    runner = FakeRunner(max_length=128)
+    engine = Engine(runner, batching, adaptive=ac)
+    await engine.start()
+    try:
+        # Exactly refit_min_requests first: the re-fitter's first look sees these 20.
+        await asyncio.gather(*(engine.embed([_ids(n, i)]) for i, n in enumerate(lengths[:20])))
+        await asyncio.gather(*(engine.embed([_ids(n, i)]) for i, n in enumerate(lengths[20:])))
+        live = engine.stats()["refit"]["events"]
+    finally:
+        await engine.stop()
+    t = Trace(np.asarray(lengths, dtype=np.int64), 0.01 * np.arange(len(lengths)))
+    sim = simulate(
+        t, CostModel(const=0.001), batching, max_length=128, adaptive=ac, adaptive_prior=False
+    )
+    assert sim.refit is not None and live
+    simulated = sim.refit["events"]
+    assert (live[0]["old"], live[0]["new"]) == (simulated[0]["old"], simulated[0]["new"])
+    assert live[0]["new"] != [128]

@@ -118,3 +118,17 @@ def test_bad_arguments_get_a_clear_error(
     trace, cost = files
     assert main(["simulate", trace, "--cost", cost, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_adaptive_with_refit_reports_refits_and_final_boundaries(
+    files: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--refit` runs the online re-fit in the simulator; the report counts it (too few
+    requests here to re-fit: 0, and the boundaries stay as given)."""
+    trace, cost = files
+    argv = ["simulate", trace, "--cost", cost, "--strategy", "adaptive,bucketed", "--refit"]
+    assert main([*argv, "--boundaries", "32,64", "--slo-ms", "60000"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines() if line}
+    assert rows["re-fits"][-2:] == ["0", "-"]
+    assert rows["boundaries at the end"][-2:] == ["32,64", "-"]

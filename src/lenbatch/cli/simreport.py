@@ -218,6 +218,14 @@ def side_by_side(runs: list[SimRun], names: list[str] | None = None) -> str:
         ("padding waste", [pct(s["padding_waste"]) for s in sums]),
         ("peak memory MB", [f(s["peak_memory_mb"]) for s in sums]),
     ]
+    if any(r.refit is not None for r in runs):  # the online re-fit ran in some column
+        rows.append(("re-fits", ["-" if r.refit is None else str(r.refit["refits"]) for r in runs]))
+        rows.append(
+            (
+                "boundaries at the end",
+                ["-" if r.refit is None else ",".join(map(str, r.cfg.boundaries)) for r in runs],
+            )
+        )
     reasons = [", ".join(f"{k} {v}" for k, v in sorted(r.rejections.items())) for r in runs]
     if any(reasons):
         rows.append(("rejected because", [x or "-" for x in reasons]))

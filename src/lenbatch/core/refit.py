@@ -29,7 +29,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Fitter", "RefitEvent", "Refitter", "ks_distance", "optimal_bounds"]
+from lenbatch.config import AdaptiveConfig
+
+__all__ = [
+    "BoundarySwap",
+    "Fitter",
+    "RefitEvent",
+    "Refitter",
+    "build_refitter",
+    "ks_distance",
+    "optimal_bounds",
+]
 
 IntArray = npt.NDArray[np.int64]
 # (recent lengths, most buckets, model max length) -> boundaries
@@ -183,3 +193,51 @@ class Refitter:
             "refits": len(self.events),
             "events": [e.describe() for e in self.events[-10:]],
         }
+
+
+@dataclass
+class BoundarySwap:
+    """The swap rule the engine and the simulator share: ask the re-fitter (only while
+    accepting work); once new boundaries are pending, the caller holds new batches
+    (`holding`) until nothing is in flight, and `step` then returns them to swap to."""
+
+    refitter: Refitter
+    pending: tuple[int, ...] | None = None
+
+    @property
+    def holding(self) -> bool:
+        """A swap is pending: emit no new batch until it has happened."""
+        return self.pending is not None
+
+    def step(
+        self, now: float, bounds: tuple[int, ...], inflight: int, accepting: bool = True
+    ) -> tuple[int, ...] | None:
+        """The boundaries to swap the lanes to now (the caller re-buckets the queued requests),
+        or None: no re-fit proposed, or batches still in flight."""
+        if self.pending is None and accepting:
+            self.pending = self.refitter.consider(now, bounds)
+        if self.pending is None or inflight:
+            return None
+        new, self.pending = self.pending, None
+        return new
+
+
+def build_refitter(
+    ac: AdaptiveConfig,
+    max_length: int,
+    call_s: float,
+    token_s: float,
+    fit: Fitter = optimal_bounds,
+) -> Refitter:
+    """The re-fitter `ac` configures, as the engine and the simulator both build it: a call's
+    fixed cost `call_s` over the cost per padded token `token_s` prices the overhead."""
+    return Refitter(
+        max_length=max_length,
+        sample=ac.refit_sample,
+        min_requests=ac.refit_min_requests,
+        min_interval=ac.refit_min_interval_s,
+        min_saving=ac.refit_min_saving,
+        buckets=ac.refit_buckets,
+        overhead_tokens=call_s / token_s if token_s > 0 else 80.0,
+        fit=fit,
+    )

@@ -45,7 +45,7 @@ from lenbatch.core.errors import (
 )
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
-from lenbatch.core.refit import Fitter, Refitter, optimal_bounds
+from lenbatch.core.refit import BoundarySwap, Fitter, Refitter, build_refitter, optimal_bounds
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.batches import BatchRunner
@@ -130,19 +130,13 @@ class Engine(BaseEngine):
             )
         # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
         self.refitter: Refitter | None = None
-        self._pending_bounds: tuple[int, ...] | None = None
+        self._swap: BoundarySwap | None = None
         if self.adaptive is not None and (ac.refit or self.batching.auto_boundaries):
             co = self.adaptive.cost.coefficients
-            self.refitter = Refitter(
-                max_length=self.info.max_length,
-                sample=ac.refit_sample,
-                min_requests=ac.refit_min_requests,
-                min_interval=ac.refit_min_interval_s,
-                min_saving=ac.refit_min_saving,
-                buckets=ac.refit_buckets,
-                overhead_tokens=co.a / co.b if co.b > 0 else 80.0,
-                fit=fitter or optimal_bounds,
+            self.refitter = build_refitter(
+                ac, self.info.max_length, co.a, co.b, fitter or optimal_bounds
             )
+            self._swap = BoundarySwap(self.refitter)
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -384,14 +378,15 @@ class Engine(BaseEngine):
     def _maybe_refit(self, now: float) -> None:
         """Ask the re-fitter; once new boundaries are pending, hold new batches until the
         runner is idle, then swap the lanes atomically (queued requests re-bucketed)."""
-        assert self.refitter is not None and self.adaptive is not None
-        if self._pending_bounds is None and self.state is EngineState.RUNNING:
-            self._pending_bounds = self.refitter.consider(now, self.cfg.boundaries)
-            self.adaptive.hold = self._pending_bounds is not None
-        if self._pending_bounds is None or self.queues.inflight_total:
+        assert self._swap is not None and self.adaptive is not None
+        old = self.cfg.boundaries
+        new = self._swap.step(
+            now, old, self.queues.inflight_total, self.state is EngineState.RUNNING
+        )
+        self.adaptive.hold = self._swap.holding
+        if new is None:
             return
-        old, new = self.cfg.boundaries, self._pending_bounds
-        self._pending_bounds = None
+        assert self.refitter is not None
         batching = self.batching.model_copy(update={"boundaries": new, "auto_boundaries": False})
         lanes = resolve_lanes(batching, self.info.max_length)
         self.batching = batching

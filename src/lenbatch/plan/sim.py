@@ -18,6 +18,10 @@ What it mirrors from `lenbatch.embed.engine.Engine`, rule by rule, so prediction
 * `schedule()` runs again after each arrival, each batch completion, each deadline, and at
   `wake_at`. Events at the same instant are applied together before one `schedule()` call, as
   the engine's wake-up event coalesces them.
+* Strategy `adaptive` with `refit` (or `boundaries = "auto"`) re-fits the boundaries online
+  with the engine's `Refitter` and swap rule (`core.refit.BoundarySwap`): the admitted lengths
+  are observed, a pending swap holds new batches, and once nothing is in flight the lanes are
+  swapped and the queued requests re-bucketed, before that instant's `schedule()`.
 * Inputs over the model limit are rejected (413) unless `truncate`; `Admission.check` refusals
   (length budget, queue bounds, token bucket) count as rejected; expired requests as errors.
 
@@ -56,6 +60,7 @@ from lenbatch.core.admission import Admission
 from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.queues import Queues
+from lenbatch.core.refit import BoundarySwap, build_refitter
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.plan.costmodel import CostModel
@@ -104,6 +109,10 @@ class SimRun:
     rejections: dict[str, int] = field(default_factory=dict)  # error code -> count
     events: int = 0  # distinct event instants processed (each ran `schedule()` once)
     adaptive: dict[str, Any] | None = None  # `adaptive`'s state at the end (as in /stats)
+    # The online re-fit's record at the end (as in /stats), None when it was off. After a
+    # re-fit `cfg`, `labels`, `lanes` and `lane_stats` are those of the final boundaries: each
+    # request and batch counted in the final lane of its length (a batch: its padded length).
+    refit: dict[str, Any] | None = None
     slo_s: float | None = None  # `adaptive`'s SLO (its lowest level), for goodput
 
     @property
@@ -255,6 +264,13 @@ def _replay(
             concurrency=batching.max_concurrent_batches,
         )
     arrive = ad.on_arrival if ad is not None else None
+    # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto"): the
+    # engine's re-fitter and swap rule, fed the same admitted lengths.
+    swap: BoundarySwap | None = None
+    if ad is not None and (adaptive_cfg.refit or batching.auto_boundaries):
+        co = ad.cost.coefficients
+        swap = BoundarySwap(build_refitter(adaptive_cfg, max_length, co.a, co.b))
+    observe = swap.refitter.observe if swap is not None else None
 
     runners_free = batching.max_concurrent_batches
     # With one runner the peak is the largest batch; with several, sum what overlaps.
@@ -363,6 +379,8 @@ def _replay(
                     if arrive is not None:
                         r.due = due
                         arrive(r.lane, length, next_arrival)
+                    if observe is not None:
+                        observe(length)
                 else:
                     outcome[i] = OUTCOME_REJECTED
                     lane_of_req[i] = queues.lane_of(length)
@@ -370,7 +388,23 @@ def _replay(
             i += 1
             next_arrival = arr_list[i] if i < n else _INF
 
-        # 4. One scheduling decision for this instant, exactly as the engine's loop makes it.
+        # 4. A pending re-fit holds new batches; with nothing in flight the lanes swap and the
+        # queued requests are re-bucketed (the engine's `_maybe_refit`, before its schedule()).
+        if swap is not None:
+            assert ad is not None
+            new = swap.step(now, cfg.boundaries, queues.inflight_total)
+            ad.hold = swap.holding
+            if new is not None:
+                batching = batching.model_copy(update={"boundaries": new, "auto_boundaries": False})
+                lanes = resolve_lanes(batching, max_length)
+                cfg = lanes.cfg
+                queues.rebucket(cfg)
+                adm.sched = cfg
+                ad.reset_lanes(cfg)
+                lane_pol = cfg.lanes
+                slots = cfg.slots
+
+        # 5. One scheduling decision for this instant, exactly as the engine's loop makes it.
         # With nothing queued or no free slot, `schedule()` returns an empty decision without
         # a timer (tested in test_sim.py); skip the call then, it is most of the events.
         if not queues.size or queues.inflight_total >= slots:
@@ -401,6 +435,12 @@ def _replay(
     lanes_b = table[:, 0].astype(np.int64)
     b_exec = table[:, 2]
     pads = table[:, 3].astype(np.int64)
+    refits = swap is not None and bool(swap.refitter.events)
+    if refits:  # lane numbers changed meaning: count everything in the final lanes
+        lanes_b = np.fromiter(map(queues.lane_of, pads.tolist()), np.int64, len(pads))
+        lane_of_req = [
+            queues.lane_of(len_list[j]) if v >= 0 else -1 for j, v in enumerate(lane_of_req)
+        ]
     sizes = table[:, 4].astype(np.int64)
     if not track_memory:  # one runner: the peak is the largest single batch
         shapes = np.unique(sizes * (cfg.max_length + 1) + pads)
@@ -429,7 +469,7 @@ def _replay(
         strategy=cfg.strategy,
         cfg=cfg,
         labels=list(lanes.labels),
-        uses_default_boundaries=lanes.default_boundaries,
+        uses_default_boundaries=lanes.default_boundaries and not refits,
         arrivals=arrivals,
         lengths=lengths,
         outcomes=out,
@@ -446,4 +486,5 @@ def _replay(
         if ad is None
         else ad.describe(list(lanes.labels), float(arrivals[-1]) if n else 0.0),
         slo_s=None if ad is None else ad.policy.level_slo[0],
+        refit=None if swap is None else swap.refitter.describe(),
     )
