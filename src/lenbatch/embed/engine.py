@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -49,6 +49,7 @@ from lenbatch.core.refit import BoundarySwap, Fitter, Refitter, build_refitter, 
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.batches import BatchRunner
+from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.embed.ledger import Ledger, Ticket
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.lengthlog import LengthLog
@@ -62,7 +63,6 @@ _TOKENIZE_THREADS = 2  # one long input tokenizing leaves a thread for everyone 
 
 Vector = npt.NDArray[np.float32]
 # Texts, or token-id arrays (the model's own ids, used as given).
-Inputs = Sequence[str] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,48 +195,12 @@ class Engine(BaseEngine):
         Raises `BadInput` for an empty text, one that is not valid Unicode, or one the
         tokenizer cannot process (the error names the input's index, never its content).
         """
-        for i, t in enumerate(texts):
-            if not t:
-                raise BadInput(f"input {i} is an empty string")
-            if not t.isascii():
-                try:
-                    t.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise BadInput(
-                        f"input {i} is not valid Unicode (it holds a lone surrogate escape)"
-                    ) from None
         truncate = self.default_truncate if truncate is None else truncate
-        try:
-            return self.runner.tokenize(texts, truncate)
-        except Exception as exc:  # the message could quote the text: report the type only
-            raise BadInput(
-                f"the tokenizer could not process the input ({type(exc).__name__})"
-            ) from None
+        return tokenize_checked(self.runner.tokenize, texts, truncate)
 
     def _token_ids(self, inputs: Inputs, truncate: bool | None) -> list[list[int]]:
         """Texts tokenized, token arrays checked against the vocabulary; none may be empty."""
-        if not inputs:
-            raise BadInput("no inputs given")
-        if isinstance(inputs[0], str):
-            texts = cast("Sequence[str]", inputs)
-            if not all(isinstance(t, str) for t in texts):
-                raise BadInput("inputs mix texts and token arrays: send one kind per call")
-            ids = self.tokenize(texts, truncate)
-            for i, x in enumerate(ids):
-                if not x:
-                    raise BadInput(f"input {i} is empty (0 tokens)")
-            return ids
-        vocab = self.info.vocab_size
-        ids = []
-        for i, seq in enumerate(cast("Sequence[Sequence[int]]", inputs)):
-            if isinstance(seq, str):
-                raise BadInput("inputs mix texts and token arrays: send one kind per call")
-            if len(seq) == 0:
-                raise BadInput(f"input {i} is an empty token array")
-            if min(seq) < 0 or max(seq) >= vocab:
-                raise BadInput(f"input {i} has token ids outside [0, {vocab})")
-            ids.append(list(seq))
-        return ids
+        return token_ids(inputs, lambda texts: self.tokenize(texts, truncate), self.info.vocab_size)
 
     async def embed(
         self,

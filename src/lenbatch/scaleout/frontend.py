@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -33,9 +33,10 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lenbatch.core.errors import BadInput, LenbatchError, Unavailable, draining
+from lenbatch.core.errors import LenbatchError, Unavailable, draining
 from lenbatch.core.ranges import LengthRanges
-from lenbatch.embed.engine import Embedded, Inputs
+from lenbatch.embed.engine import Embedded
+from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.serving.lifecycle import EngineState, wait_set
@@ -220,40 +221,12 @@ class Frontend:
     # ------------------------------------------------------------------ embedding
 
     def _token_ids(self, inputs: Inputs, truncate: bool) -> list[list[int]]:
-        """Tokenize texts / check token arrays, as the single server's engine does."""
-        if not inputs:
-            raise BadInput("no inputs given")
-        if isinstance(inputs[0], str):
-            texts = cast("Sequence[str]", inputs)
-            if not all(isinstance(t, str) for t in texts):
-                raise BadInput("inputs mix texts and token arrays: send one kind per call")
-            for i, t in enumerate(texts):
-                if not t:
-                    raise BadInput(f"input {i} is an empty string")
-                if not t.isascii():
-                    try:
-                        t.encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise BadInput(
-                            f"input {i} is not valid Unicode (it holds a lone surrogate escape)"
-                        ) from None
-            try:
-                ids = self.tokenizer.tokenize(list(texts), truncate)
-            except Exception as exc:  # the message could quote the text: the type only
-                raise BadInput(
-                    f"the tokenizer could not process the input ({type(exc).__name__})"
-                ) from None
-        else:
-            ids = []
-            for i, seq in enumerate(cast("Sequence[Sequence[int]]", inputs)):
-                if isinstance(seq, str):
-                    raise BadInput("inputs mix texts and token arrays: send one kind per call")
-                if len(seq) and (min(seq) < 0 or max(seq) >= self.info.vocab_size):
-                    raise BadInput(f"input {i} has token ids outside [0, {self.info.vocab_size})")
-                ids.append(list(seq))
-        for i, x in enumerate(ids):
-            if not x:
-                raise BadInput(f"input {i} is empty (0 tokens)")
+        """Tokenize texts / check token arrays exactly as the single server's engine does."""
+        ids = token_ids(
+            inputs,
+            lambda texts: tokenize_checked(self.tokenizer.tokenize, list(texts), truncate),
+            self.info.vocab_size,
+        )
         if truncate:
             ids = [x[: self.info.max_length] for x in ids]
         return ids
