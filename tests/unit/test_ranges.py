@@ -14,7 +14,7 @@ from lenbatch.core.ranges import (
     rank_replicas,
 )
 from lenbatch.scaleout.board import RoutingBoard
-from lenbatch.scaleout.frontend import aggregate_replicas, merge_expositions
+from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
 
 BOUNDS = (16, 32, 64, 128)
 MAX = 512

@@ -29,8 +29,6 @@ from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lenbatch.core.errors import LenbatchError, Unavailable, draining
@@ -39,10 +37,11 @@ from lenbatch.embed.engine import Embedded
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo
 from lenbatch.scaleout.board import RoutingBoard
+from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
 from lenbatch.serving.lifecycle import EngineState, wait_set
 from lenbatch.serving.metrics import percentile
 
-__all__ = ["FreshFigures", "Frontend", "RelayedError", "aggregate_replicas", "merge_expositions"]
+__all__ = ["FreshFigures", "Frontend", "RelayedError"]
 
 log = logging.getLogger("lenbatch.scaleout.frontend")
 
@@ -385,83 +384,6 @@ class Frontend:
         for row in snap["replicas"]:
             self._inflight.labels(row["replica"], str(row["group"])).set(row["in_flight"])
         return generate_latest(self.registry) + merge_expositions(self._expositions)
-
-
-def aggregate_replicas(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the replicas' counters into one engine-shaped summary (same bucket labels, since
-    every replica runs the same configuration)."""
-    buckets: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
-    real = padded = batches = requests = 0
-    status: dict[str, int] = {}
-    for r in rows:
-        real += int(r.get("real_tokens", 0))
-        padded += int(r.get("padded_tokens", 0))
-        batches += int(r.get("batches", 0))
-        for k, v in (r.get("requests") or {}).items():
-            status[k] = status.get(k, 0) + int(v)
-        for b in r.get("per_bucket", []):
-            label = b["bucket"]
-            if label not in buckets:
-                order.append(label)
-                buckets[label] = {"bucket": label, "batches": 0, "requests": 0,
-                                  "real_tokens": 0, "padded_tokens": 0, "exec_s": 0.0}  # fmt: skip
-            acc = buckets[label]
-            acc["batches"] += b["batches"]
-            acc["requests"] += b["requests"]
-            requests += b["requests"]
-            acc["real_tokens"] += b["real_tokens"]
-            acc["padded_tokens"] += b["padded_tokens"]
-            acc["exec_s"] += b["mean_exec_ms"] * b["batches"] / 1000
-    per_bucket = []
-    for label in order:
-        acc = buckets[label]
-        n = acc["batches"]
-        per_bucket.append(
-            {
-                "bucket": label,
-                "batches": n,
-                "requests": acc["requests"],
-                "mean_batch_size": acc["requests"] / n if n else 0.0,
-                "real_tokens": acc["real_tokens"],
-                "padded_tokens": acc["padded_tokens"],
-                "padding_waste": 1 - acc["real_tokens"] / acc["padded_tokens"]
-                if acc["padded_tokens"]
-                else 0.0,
-                "mean_exec_ms": 1000 * acc["exec_s"] / n if n else 0.0,
-            }
-        )
-    return {
-        "requests": status,
-        "batches": batches,
-        "mean_batch_size": requests / batches if batches else 0.0,
-        "real_tokens": real,
-        "padded_tokens": padded,
-        "padding_waste": 1 - real / padded if padded else 0.0,
-        "per_bucket": per_bucket,
-    }
-
-
-def merge_expositions(texts: Sequence[tuple[str, int, bytes]]) -> bytes:
-    """Prometheus texts of several replicas as one exposition: each family once, every sample
-    labelled with its `replica` and `group` (sum over `replica` for the whole app)."""
-    families: dict[str, Metric] = {}
-    for rid, group, text in texts:
-        for fam in text_string_to_metric_families(text.decode("utf-8")):
-            merged = families.get(fam.name)
-            if merged is None:
-                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
-            for s in fam.samples:
-                labels = {**s.labels, "replica": rid, "group": str(group)}
-                merged.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
-
-    class _Collector:
-        def collect(self) -> list[Metric]:
-            return list(families.values())
-
-    registry = CollectorRegistry()
-    registry.register(_Collector())
-    return generate_latest(registry)
 
 
 class FreshFigures:
