@@ -1,7 +1,8 @@
 """The Ray Serve application: an ingress and N lenbatch engine replicas, and how to run it.
 
     HTTP ─► Ray's proxy ─► Ingress (1 replica: tokenize, length ranges, OpenAI routes)
-                              └─ handle, LengthRangeRouter ─► EngineReplica × N (one engine each)
+                              └─ handle, LengthRangeRouter ─► EngineReplica × N (embeddings)
+                                                            or LMReplica × N (causal LMs)
 
 `build_app` binds the two deployments; `run` starts (or joins) Ray, deploys, prints where it
 serves and, on SIGTERM or Ctrl-C, drains (the ingress refuses new requests and waits for the
@@ -18,9 +19,12 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lenbatch.config import Settings
+
+if TYPE_CHECKING:
+    from lenbatch.scaleout.frontend import Frontend
 
 __all__ = [
     "APP_NAME",
@@ -52,22 +56,36 @@ class RayOptions:
 
 
 class Ingress:
-    """The HTTP ingress deployment: lenbatch's embeddings app over a `Frontend`."""
+    """The HTTP ingress deployment: lenbatch's own app (embeddings, or completions and chat for
+    a causal LM) over a `Frontend` / `LMFrontend` standing in for the engine."""
 
     # Ray Serve awaits an async constructor (it asks a replica for the model's facts).
     async def __init__(  # type: ignore[misc]
         self, engines: Any, settings: dict[str, Any], routing: str, groups: int
     ) -> None:
-        from lenbatch.runners import load_runner
-        from lenbatch.runners.base import ModelInfo
         from lenbatch.scaleout.board import board_for
-        from lenbatch.scaleout.frontend import Frontend
 
         self.settings = Settings.model_validate(settings)
+        facts = await engines.info.remote()
+        board = board_for(ENGINES, groups)
+        self.generates = facts.get("kind") == "generate"
+        self.frontend: Frontend
+        if self.generates:
+            self.frontend = self._lm_frontend(engines, board, facts, routing)
+        else:
+            self.frontend = self._embed_frontend(engines, board, facts, routing)
+        log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
+
+    def _embed_frontend(
+        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
+    ) -> Frontend:
+        from lenbatch.runners import load_runner
+        from lenbatch.runners.base import ModelInfo
+        from lenbatch.scaleout.frontend import Frontend
+
         m = self.settings.model
         # The ingress only tokenizes: one thread, and the same tokenizer as the replicas.
         tokenizer = load_runner(m.name, device="cpu", max_length=m.max_length, torch_threads=1)
-        facts = await engines.info.remote()
         info = ModelInfo(
             name=facts["name"],
             max_length=facts["max_length"],
@@ -77,9 +95,9 @@ class Ingress:
             vocab_size=facts["vocab_size"],
             dim=facts["dim"],
         )
-        self.frontend = Frontend(
+        return Frontend(
             engines,
-            board_for(ENGINES, groups),
+            board,
             tokenizer,
             info,
             facts["boundaries"],
@@ -87,18 +105,56 @@ class Ingress:
             default_truncate=m.truncate,
             request_timeout=self.settings.admission.request_timeout_s,
         )
-        log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
+
+    def _lm_frontend(
+        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
+    ) -> Frontend:
+        from lenbatch.generate.engine import GenerationEngine
+        from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
+        from lenbatch.scaleout.lmfrontend import LMFrontend
+
+        s = self.settings
+        m = s.model
+        ref = resolve_causal_model(m.name)
+        if ref is None:
+            raise ValueError("the replicas serve a causal LM but the ingress's model is not one")
+        # The same tokenizer and chat template as the replicas (the weights are loaded with
+        # it; one thread, the ingress never runs them).
+        runner = CausalLMRunner(
+            ref.folder,
+            gguf_file=ref.gguf_file,
+            name=ref.name,
+            max_length=m.max_length,
+            torch_threads=1,
+            dtype=m.dtype,
+        )
+        local = GenerationEngine(runner, s.batching, s.admission, s.generation)
+        return LMFrontend(
+            engines,
+            board,
+            local,
+            facts["boundaries"],
+            routing=routing,
+            request_timeout=s.admission.request_timeout_s,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         from typing import cast
 
-        from lenbatch.embed.api import create_app
-        from lenbatch.embed.engine import Engine
         from lenbatch.scaleout.frontend import FreshFigures
 
-        # create_app needs what a Frontend has: info, embed_with_usage and the Servable
-        # lifecycle (it is the single server's app, unchanged).
-        app = create_app(cast("Engine", self.frontend), self.settings)
+        # The single server's app, unchanged, over the stand-in: it needs what the engine has
+        # (info, the submit/stream or embed calls, and the Servable lifecycle).
+        if self.generates:
+            from lenbatch.generate.api import create_llm_app
+            from lenbatch.generate.engine import GenerationEngine
+
+            app = create_llm_app(cast("GenerationEngine", self.frontend), self.settings)
+        else:
+            from lenbatch.embed.api import create_app
+            from lenbatch.embed.engine import Engine
+
+            app = create_app(cast("Engine", self.frontend), self.settings)
         app.add_middleware(FreshFigures, frontend=self.frontend)
         return app
 
@@ -120,7 +176,9 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from lenbatch.scaleout.replica import EngineReplica
+    from lenbatch.config import Strategy
+    from lenbatch.runners.causal import resolve_causal_model
+    from lenbatch.scaleout.replica import EngineReplica, LMReplica
     from lenbatch.scaleout.router import LengthRangeRouter
 
     if options.routing not in ("length", "pow2"):
@@ -128,13 +186,17 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
     groups = options.groups or options.replicas
     if not 1 <= groups <= options.replicas:
         raise ValueError(f"groups must be in [1, replicas={options.replicas}], got {groups}")
+    causal = resolve_causal_model(settings.model.name) is not None
+    if causal and settings.batching.strategy is Strategy.ADAPTIVE:
+        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
+    replica_class: Any = LMReplica if causal else EngineReplica
     payload = settings.model_dump(mode="json")
     drain_s = settings.server.drain_timeout_s
     # Ray Serve logs every call of every replica at INFO; follow lenbatch's log level instead.
     level = settings.server.log_level.upper()
     logging_config = {"log_level": level, "enable_access_log": level in ("DEBUG", "INFO")}
     engines = serve.deployment(
-        EngineReplica,
+        replica_class,
         name=ENGINES,
         num_replicas=options.replicas,
         max_ongoing_requests=options.max_ongoing,

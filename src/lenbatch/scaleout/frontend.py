@@ -41,7 +41,7 @@ from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
 from lenbatch.serving.lifecycle import EngineState, wait_set
 from lenbatch.serving.metrics import percentile
 
-__all__ = ["FreshFigures", "Frontend", "RelayedError"]
+__all__ = ["FreshFigures", "Frontend", "RelayedError", "is_replica_failure", "own_call_id"]
 
 log = logging.getLogger("lenbatch.scaleout.frontend")
 
@@ -50,6 +50,7 @@ _CONTROL_TIMEOUT_S = 10.0
 _REPLICA_KEYS = (
     "replica", "group", "unreachable", "state", "batches", "mean_batch_size", "real_tokens",
     "padded_tokens", "padding_waste", "requests", "p50_ms", "p95_ms", "memory", "per_bucket",
+    "generated_tokens", "ttft_ms", "inter_token_ms", "decode_mean_rows",  # causal LMs
 )  # fmt: skip
 
 
@@ -64,14 +65,14 @@ class RelayedError(LenbatchError):
         self.kind = str(fields["kind"])
 
 
-def _is_replica_failure(exc: BaseException) -> bool:
+def is_replica_failure(exc: BaseException) -> bool:
     """Whether `exc` says the replica (its actor) went away, rather than the request failing."""
     from ray import exceptions as rex
 
     return isinstance(exc, rex.RayActorError | rex.ActorUnavailableError | rex.ActorDiedError)
 
 
-def _own_call_id() -> None:
+def own_call_id() -> None:
     """Give the handle calls made from the current task their own internal request id.
 
     Ray gives every call made while handling one HTTP request the proxy's internal request id,
@@ -99,7 +100,7 @@ class Frontend:
         self,
         handle: Any,
         board: RoutingBoard,
-        tokenizer: EmbeddingRunner,
+        tokenizer: EmbeddingRunner | Any,  # the LM frontend's is a CausalLMRunner
         info: ModelInfo,
         boundaries: Sequence[int],
         *,
@@ -217,6 +218,40 @@ class Frontend:
         groups = self.board.groups_count
         return f"ray scale-out over {groups} groups, routing {self.routing} ({rows})"
 
+    def check_running(self) -> None:
+        """Raise the refusal a request gets while the ingress is not running (draining: 503
+        `shutting_down`)."""
+        if self._state is not EngineState.RUNNING:
+            raise (
+                draining()
+                if self._state is EngineState.DRAINING
+                else Unavailable(f"server is {self._state.value}; not accepting requests")
+            )
+
+    def call_admitted(self) -> None:
+        """One more admitted request to answer before a drain ends."""
+        self._unanswered += 1
+        self._idle.clear()
+
+    def call_ended(self, latency_s: float | None = None) -> None:
+        """An admitted request was answered (its ingress latency recorded, if given)."""
+        self._unanswered -= 1
+        if self._unanswered == 0:
+            self._idle.set()
+        if latency_s is not None:
+            self._latencies.append(latency_s)
+
+    def count_retry(self) -> None:
+        """A call is sent again because its replica died."""
+        self.retries += 1
+        self._retries.inc()
+        log.warning("replica died with a call in flight; sending it again")
+
+    def count_failure(self) -> None:
+        """A call is answered 503 because its replica died and no retry was possible."""
+        self.failed += 1
+        self._failed.inc()
+
     # ------------------------------------------------------------------ embedding
 
     def _token_ids(self, inputs: Inputs, truncate: bool) -> list[list[int]]:
@@ -239,12 +274,7 @@ class Frontend:
         priority: int = 0,
     ) -> Embedded:
         """Embed each input on the replica group owning its length; vectors in input order."""
-        if self._state is not EngineState.RUNNING:
-            raise (
-                draining()
-                if self._state is EngineState.DRAINING
-                else Unavailable(f"server is {self._state.value}; not accepting requests")
-            )
+        self.check_running()
         t0 = time.perf_counter()
         cut = self.default_truncate if truncate is None else truncate
         ids = self._token_ids(inputs, cut)
@@ -255,8 +285,7 @@ class Frontend:
         for i, n in enumerate(lengths):
             by_group.setdefault(self.ranges.owner(n), []).append(i)
         timeout = timeout if timeout is not None else self.request_timeout
-        self._unanswered += 1
-        self._idle.clear()
+        self.call_admitted()
         try:
             parts = await asyncio.gather(
                 *(
@@ -265,9 +294,7 @@ class Frontend:
                 )
             )
         finally:
-            self._unanswered -= 1
-            if self._unanswered == 0:
-                self._idle.set()
+            self.call_ended()
         vectors: list[Any] = [None] * len(ids)
         tokens = 0
         for idx, (vecs, used) in zip(by_group.values(), parts, strict=True):
@@ -289,22 +316,19 @@ class Frontend:
         last: BaseException | None = None
         for attempt in range(self.attempts):
             if attempt:
-                self.retries += 1
-                self._retries.inc()
-                log.warning("replica died with a call in flight; sending it again (%d)", attempt)
-            _own_call_id()
+                self.count_retry()
+            own_call_id()
             try:
                 out = await self.handle.embed.remote(ids, truncate, timeout, priority, group=owner)
             except Exception as exc:
-                if not _is_replica_failure(exc):
+                if not is_replica_failure(exc):
                     raise
                 last = exc
                 continue
             if "error" in out:
                 raise RelayedError(out["error"])
             return list(np.asarray(out["vectors"], dtype=np.float32)), int(out["tokens"])
-        self.failed += 1
-        self._failed.inc()
+        self.count_failure()
         raise Unavailable(
             f"the replica serving this request died and {self.attempts} attempts failed "
             f"({type(last).__name__}); retry shortly",
@@ -319,7 +343,7 @@ class Frontend:
         replicas = self.board.replicas()
 
         async def one(rid: str) -> tuple[str, dict[str, Any] | None, bytes]:
-            _own_call_id()
+            own_call_id()
             try:
                 stats, text = await asyncio.wait_for(
                     self.handle.figures.remote(replica=rid), _CONTROL_TIMEOUT_S
@@ -395,6 +419,11 @@ class FreshFigures:
         self.frontend = frontend
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in ("/stats", "/metrics"):
-            await self.frontend.refresh()
+        if scope["type"] == "http":
+            # Under a route prefix (an app beside others on one Serve) the path includes it.
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            if path in ("/stats", "/metrics"):
+                await self.frontend.refresh()
         await self.app(scope, receive, send)

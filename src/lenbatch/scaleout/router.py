@@ -85,12 +85,15 @@ class LengthRangeRouter(RequestRouter):  # type: ignore[misc]  # Ray is typed An
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Count where the call went (the board works out whether it was a spill)."""
-        if pending_request.metadata.call_method != "embed":
+        method = pending_request.metadata.call_method
+        if method not in ("embed", "generate"):
             return  # a control call
         kwargs = pending_request.kwargs
         group = kwargs.get("group")
         owner = -1 if group is None else int(group)
-        inputs = len(pending_request.args[0]) if pending_request.args else 0
+        # An embed call carries a list of inputs; a generate call one prompt.
+        args = pending_request.args
+        inputs = (len(args[0]) if args else 0) if method == "embed" else 1
         call_id = pending_request.metadata.internal_request_id
         self.board.routed(call_id, replica_id.unique_id, owner, inputs)
 
