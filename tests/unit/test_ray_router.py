@@ -40,10 +40,11 @@ class FakeRequest:
 
 
 def router(
-    policy: str = "length", spill_at: int = 2
+    policy: str = "length", spill_at: int = 2, spill_wait: float = float("inf")
 ) -> tuple[LengthRangeRouter, list[FakeReplica]]:
     r = LengthRangeRouter.__new__(LengthRangeRouter)  # Ray's constructor needs a cluster
     r.board, r.policy, r.spill_at = RoutingBoard(2), policy, spill_at
+    r.spill_wait = spill_wait
     replicas = [FakeReplica("a"), FakeReplica("b")]
     r.board.set_replicas(x.uid for x in replicas)  # a: group 0, b: group 1
     return r, replicas
@@ -76,6 +77,21 @@ def test_saturated_owner_spills_and_the_board_counts_it() -> None:
         "a": 1,
         "b": 1,
     }
+
+
+def test_owner_with_a_long_expected_wait_spills() -> None:
+    """Calls carry their estimated model seconds (`cost`); once the owner's queue holds more
+    than `spill_wait` seconds beyond the other replica's, the next call spills."""
+    r, replicas = router(spill_at=64, spill_wait=0.3)
+    call = FakeRequest({"group": 0, "cost": 0.2}, request_id="c0")
+    r.on_request_routed(call, replicas[0].replica_id, None)
+    assert choose(r, replicas, FakeRequest({"group": 0})) == [["a"], ["b"]]
+    r.on_request_routed(
+        FakeRequest({"group": 0, "cost": 0.2}, request_id="c1"), replicas[0].replica_id, None
+    )
+    assert choose(r, replicas, FakeRequest({"group": 0})) == [["b"], ["a"]]
+    r.on_request_completed(replicas[0].replica_id, "c0")
+    assert choose(r, replicas, FakeRequest({"group": 0})) == [["a"], ["b"]]
 
 
 def test_control_calls_go_to_their_replica_and_are_not_counted() -> None:

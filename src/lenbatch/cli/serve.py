@@ -133,6 +133,15 @@ def register(sub: Any) -> None:
         "fewer gives each range several replicas)",
     )
     r.add_argument(
+        "--ray-spill-wait",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="--ray: send a call outside its length range when its owners' expected queue wait "
+        "(model seconds in flight, from the cost model fitted on the replicas' batches) exceeds "
+        "another replica's by more than S seconds (default 0.2)",
+    )
+    r.add_argument(
         "--replica-threads",
         type=int,
         default=1,
@@ -253,6 +262,7 @@ def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
         groups=args.ray_groups,
         routing=args.ray_routing,
         threads=args.replica_threads,
+        spill_wait=args.ray_spill_wait,
     )
     return run(settings, options)
 

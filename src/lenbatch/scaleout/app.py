@@ -52,6 +52,7 @@ class RayOptions:
     routing: str = "length"  # "length" (LengthRangeRouter) or "pow2" (Ray's default policy)
     threads: int = 1  # torch threads and Ray CPUs per engine replica
     spill_at: int = 64  # calls in flight on every owner before a call spills
+    spill_wait: float = 0.2  # seconds the owners' expected wait may exceed another replica's
     max_ongoing: int = 1024  # per engine replica (Ray's default of 5 would cap batches at 5)
 
 
@@ -211,6 +212,7 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
                 "groups": groups,
                 "policy": options.routing,
                 "spill_at": options.spill_at,
+                "spill_wait": options.spill_wait,
             },
         ),
     ).bind(payload, options.threads)
@@ -229,7 +231,8 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
 def app_builder(args: dict[str, Any]) -> Any:
     """The application for a Serve config file or a KubeRay `RayService`
     (`import_path: lenbatch.scaleout.app:app_builder`). `args`: `config` (a lenbatch config
-    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`."""
+    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`,
+    `spill_wait`."""
     from lenbatch.config import load_settings
 
     settings = load_settings(args.get("config"), os.environ)
@@ -238,6 +241,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         groups=int(args["groups"]) if args.get("groups") else None,
         routing=str(args.get("routing", "length")),
         threads=int(args.get("threads", 1)),
+        spill_wait=float(args.get("spill_wait", RayOptions.spill_wait)),
     )
     return build_app(settings, options)
 

@@ -31,8 +31,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lenbatch.core.costfit import OnlineCostModel
 from lenbatch.core.errors import LenbatchError, Unavailable, draining
-from lenbatch.core.ranges import LengthRanges
+from lenbatch.core.ranges import LengthRanges, RequestCost
 from lenbatch.embed.engine import Embedded
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo
@@ -108,8 +109,10 @@ class Frontend:
         default_truncate: bool = False,
         request_timeout: float | None = None,
         attempts: int = 3,
+        refresh_s: float = 2.0,
     ) -> None:
         self.handle = handle
+        self.refresh_s = refresh_s
         self.board = board
         self.tokenizer = tokenizer
         self.info = info
@@ -118,6 +121,12 @@ class Frontend:
         self.request_timeout = request_timeout
         self.attempts = attempts
         self.ranges = LengthRanges(boundaries, info.max_length, board.groups_count)
+        # The replicas' batch timings, fitted here (every refresh adds what each bucket ran
+        # since the last): what a request costs, for the ranges and the expected queue waits.
+        self.cost_model = OnlineCostModel()
+        self.request_cost = RequestCost(self.cost_model.coefficients)
+        self._bucket_totals: dict[tuple[str, str], tuple[int, int, int, float]] = {}
+        self._ticker: asyncio.Task[None] | None = None
         self._state = EngineState.NEW
         self._unanswered = 0
         self._idle = asyncio.Event()
@@ -189,8 +198,18 @@ class Frontend:
         return self._unanswered
 
     async def start(self) -> None:
-        """Start accepting requests."""
+        """Start accepting requests, and fetching the replicas' figures every `refresh_s`."""
         self._state = EngineState.RUNNING
+        if self._ticker is None and self.refresh_s > 0:
+            self._ticker = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while self._state is not EngineState.STOPPED:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # figures are best effort; routing goes on without them
+                log.warning("figures refresh failed (%s)", type(exc).__name__)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503 shutting_down) from now on."""
@@ -208,6 +227,8 @@ class Frontend:
         """Drain, then stop."""
         await self.drain(timeout)
         self._state = EngineState.STOPPED
+        if self._ticker is not None:
+            self._ticker.cancel()
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -289,7 +310,14 @@ class Frontend:
         try:
             parts = await asyncio.gather(
                 *(
-                    self._call(g, [ids[i] for i in idx], cut, timeout, priority)
+                    self._call(
+                        g,
+                        [ids[i] for i in idx],
+                        cut,
+                        timeout,
+                        priority,
+                        self.cost_of(lengths[i] for i in idx),
+                    )
                     for g, idx in by_group.items()
                 )
             )
@@ -311,6 +339,7 @@ class Frontend:
         truncate: bool,
         timeout: float | None,
         priority: int,
+        cost: float = 0.0,
     ) -> tuple[list[Any], int]:
         owner = group if self.routing == "length" else None
         last: BaseException | None = None
@@ -319,7 +348,9 @@ class Frontend:
                 self.count_retry()
             own_call_id()
             try:
-                out = await self.handle.embed.remote(ids, truncate, timeout, priority, group=owner)
+                out = await self.handle.embed.remote(
+                    ids, truncate, timeout, priority, group=owner, cost=cost
+                )
             except Exception as exc:
                 if not is_replica_failure(exc):
                     raise
@@ -335,6 +366,11 @@ class Frontend:
             retry_after=2.0,
             code="replica_failed",
         )
+
+    def cost_of(self, lengths: Any) -> float:
+        """Estimated model seconds of inputs of these lengths (the fitted cost model)."""
+        b, m = self.ranges.boundaries, self.ranges.max_length
+        return sum(self.request_cost.of(n, b, m) for n in lengths)
 
     # ------------------------------------------------------------------ figures
 
@@ -364,6 +400,42 @@ class Frontend:
                 row.update(stats)
                 self._expositions.append((rid, replicas[rid], text))
             self._per_replica.append(row)
+        self._learn()
+
+    def _learn(self) -> None:
+        """Fit the cost model on what each replica's buckets ran since the last refresh (one
+        observation per bucket: its mean batch shape and time), then re-weigh the ranges."""
+        seen = 0
+        for row in self._per_replica:
+            for bucket in row.get("per_bucket", []):
+                key = (row["replica"], bucket["bucket"])
+                batches, requests = int(bucket["batches"]), int(bucket["requests"])
+                padded = int(bucket["padded_tokens"])
+                exec_s = bucket["mean_exec_ms"] * batches / 1000
+                prev = self._bucket_totals.get(key, (0, 0, 0, 0.0))
+                self._bucket_totals[key] = (batches, requests, padded, exec_s)
+                db, dr, dp, ds = (
+                    batches - prev[0],
+                    requests - prev[1],
+                    padded - prev[2],
+                    exec_s - prev[3],
+                )
+                if db <= 0 or dr <= 0 or dp <= 0:
+                    continue
+                self.cost_model.observe(round(dr / db), round(dp / dr), ds / db)
+                seen += 1
+        if not seen:
+            return
+        rows = aggregate_replicas([r for r in self._per_replica if not r.get("unreachable")])
+        lanes = rows["per_bucket"]
+        batch = (
+            tuple(float(b["mean_batch_size"]) or 1.0 for b in lanes)
+            if len(lanes) == len(self.ranges.boundaries) + 1
+            else ()
+        )
+        self.request_cost = RequestCost(self.cost_model.coefficients, batch)
+        if self.ranges.set_cost(self.request_cost):
+            log.info("length ranges re-planned by model time: %s", self.ranges.plan.describe())
 
     def stats(self) -> dict[str, Any]:
         """Aggregated figures (sums over replicas; latency as the ingress measured it), each
@@ -380,6 +452,7 @@ class Frontend:
                 "p95_ms": 1000 * percentile(lat, 95) if lat else None,
                 "p99_ms": 1000 * percentile(lat, 99) if lat else None,
                 "boundaries": list(self.ranges.boundaries),
+                "cost_model": self.cost_model.describe(),
                 "routing": {
                     "policy": self.routing,
                     "ranges": self.ranges.plan.describe(),

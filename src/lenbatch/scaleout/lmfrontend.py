@@ -185,7 +185,12 @@ class LMFrontend(Frontend):
                     self.count_retry()
                 own_call_id()
                 seq.call = self._stream_handle.generate.remote(
-                    seq.prompt, seq.params, seq.timeout, seq.priority, group=owner
+                    seq.prompt,
+                    seq.params,
+                    seq.timeout,
+                    seq.priority,
+                    group=owner,
+                    cost=self.cost_of([len(seq.prompt)]),  # the prefill's
                 )
                 try:
                     async for item in seq.call:
