@@ -123,7 +123,9 @@ class Frontend:
         self.ranges = LengthRanges(boundaries, info.max_length, board.groups_count)
         # The replicas' batch timings, fitted here (every refresh adds what each bucket ran
         # since the last): what a request costs, for the ranges and the expected queue waits.
-        self.cost_model = OnlineCostModel()
+        # A short window: one observation per bucket and replica per refresh, so it fills in
+        # tens of seconds and the generic prior fades as fast.
+        self.cost_model = OnlineCostModel(window=64)
         self.request_cost = RequestCost(self.cost_model.coefficients)
         self._bucket_totals: dict[tuple[str, str], tuple[int, int, int, float]] = {}
         self._ticker: asyncio.Task[None] | None = None
