@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lenbatch.config import Settings
+from lenbatch.config import Settings, Strategy
 from lenbatch.core.errors import LenbatchError
 from lenbatch.embed.engine import Engine
 
@@ -77,12 +77,16 @@ class EngineReplica(ReplicaShell):
 
         self.settings = Settings.model_validate(settings)
         m = self.settings.model
+        execution = m.execution
+        if execution == "auto" and self.settings.batching.strategy is Strategy.STATIC:
+            execution = "padded"  # as `lenbatch serve`: static pads on purpose
         runner = load_runner(
             m.name,
             device=m.device,
             max_length=m.max_length,
             torch_threads=m.torch_threads or threads,
             dtype=m.dtype,
+            execution=execution,
         )
         self.engine = Engine(
             runner,
@@ -90,6 +94,7 @@ class EngineReplica(ReplicaShell):
             self.settings.admission,
             recovery=self.settings.recovery,
             default_truncate=m.truncate,
+            adaptive=self.settings.adaptive,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         await self.engine.start()
