@@ -111,24 +111,13 @@ class Ingress:
         self, engines: Any, board: Any, facts: dict[str, Any], routing: str
     ) -> Frontend:
         from lenbatch.generate.engine import GenerationEngine
-        from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
         from lenbatch.scaleout.lmfrontend import LMFrontend
+        from lenbatch.scaleout.replica import load_causal
 
         s = self.settings
-        m = s.model
-        ref = resolve_causal_model(m.name)
-        if ref is None:
-            raise ValueError("the replicas serve a causal LM but the ingress's model is not one")
         # The same tokenizer and chat template as the replicas (the weights are loaded with
-        # it; one thread, the ingress never runs them).
-        runner = CausalLMRunner(
-            ref.folder,
-            gguf_file=ref.gguf_file,
-            name=ref.name,
-            max_length=m.max_length,
-            torch_threads=1,
-            dtype=m.dtype,
-        )
+        # it; on the CPU, one thread: the ingress never runs them).
+        runner = load_causal(s, "cpu", 1)
         local = GenerationEngine(runner, s.batching, s.admission, s.generation)
         return LMFrontend(
             engines,

@@ -361,10 +361,14 @@ class Frontend:
             if "error" in out:
                 raise RelayedError(out["error"])
             return list(np.asarray(out["vectors"], dtype=np.float32)), int(out["tokens"])
+        raise self.replica_failed(f"{self.attempts} attempts failed", last)
+
+    def replica_failed(self, what: str, last: BaseException | None) -> Unavailable:
+        """Count a call that met a dead replica and cannot be retried; the 503 to answer."""
         self.count_failure()
-        raise Unavailable(
-            f"the replica serving this request died and {self.attempts} attempts failed "
-            f"({type(last).__name__}); retry shortly",
+        return Unavailable(
+            f"the replica serving this request died and {what} ({type(last).__name__}); "
+            "retry shortly",
             retry_after=2.0,
             code="replica_failed",
         )

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lenbatch.core.errors import BadInput, InputTooLong, Unavailable
+from lenbatch.core.errors import BadInput, InputTooLong
 from lenbatch.generate.engine import GenerationEngine
 from lenbatch.generate.sampling import SamplingParams
 from lenbatch.generate.sequence import Delta
@@ -211,22 +211,9 @@ class LMFrontend(Frontend):
                     if not is_replica_failure(exc):
                         raise
                     last = exc
-                if seq.generated:
-                    self.count_failure()
-                    raise Unavailable(
-                        f"the replica generating this completion died after "
-                        f"{len(seq.generated)} tokens were sent ({type(last).__name__}); "
-                        "retry the request",
-                        retry_after=2.0,
-                        code="replica_failed",
-                    )
-            self.count_failure()
-            raise Unavailable(
-                f"the replica serving this request died and {self.attempts} attempts failed "
-                f"({type(last).__name__}); retry shortly",
-                retry_after=2.0,
-                code="replica_failed",
-            )
+                if seq.generated:  # tokens went out: they cannot be taken back
+                    raise self.replica_failed(f"{len(seq.generated)} tokens were sent", last)
+            raise self.replica_failed(f"{self.attempts} attempts failed", last)
         finally:
             self.cancel(seq)
 

@@ -26,7 +26,7 @@ from lenbatch.config import Settings, Strategy
 from lenbatch.core.errors import LenbatchError
 from lenbatch.embed.engine import Engine
 
-__all__ = ["EngineReplica", "LMReplica", "ReplicaShell", "error_fields"]
+__all__ = ["EngineReplica", "LMReplica", "ReplicaShell", "error_fields", "load_causal"]
 
 log = logging.getLogger("lenbatch.scaleout.replica")
 
@@ -49,6 +49,21 @@ class ReplicaShell:
     engine: Any
     settings: Settings
     replica_id: str
+
+    async def info(self, **_: Any) -> dict[str, Any]:
+        """The model's facts the ingress needs (`kind`: embedding or generate), and the
+        engine's boundaries."""
+        i = self.engine.info
+        return {
+            "kind": i.kind,
+            "replica": self.replica_id,
+            "name": i.name,
+            "dim": i.dim,
+            "max_length": i.max_length,
+            "vocab_size": i.vocab_size,
+            "boundaries": list(self.engine.cfg.boundaries),
+            "describe": self.engine.describe(),
+        }
 
     async def figures(self, **_: Any) -> tuple[dict[str, Any], bytes]:
         """The engine's `/stats` JSON and its Prometheus exposition, in one call."""
@@ -100,19 +115,6 @@ class EngineReplica(ReplicaShell):
         await self.engine.start()
         log.info("replica %s: %s", self.replica_id, self.engine.describe())
 
-    async def info(self, **_: Any) -> dict[str, Any]:
-        """The model's facts the ingress needs, and the engine's boundaries."""
-        i = self.engine.info
-        return {
-            "replica": self.replica_id,
-            "name": i.name,
-            "dim": i.dim,
-            "max_length": i.max_length,
-            "vocab_size": i.vocab_size,
-            "boundaries": list(self.engine.cfg.boundaries),
-            "describe": self.engine.describe(),
-        }
-
     async def embed(
         self,
         ids: list[list[int]],
@@ -139,41 +141,15 @@ class LMReplica(ReplicaShell):
         from ray import serve
 
         from lenbatch.generate.engine import GenerationEngine
-        from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
 
         self.settings = Settings.model_validate(settings)
         m = self.settings.model
-        ref = resolve_causal_model(m.name)
-        if ref is None:
-            raise ValueError("the model is not a causal LM")
-        runner = CausalLMRunner(
-            ref.folder,
-            gguf_file=ref.gguf_file,
-            name=ref.name,
-            device=m.device,
-            max_length=m.max_length,
-            torch_threads=m.torch_threads or threads,
-            dtype=m.dtype,
-        )
+        runner = load_causal(self.settings, m.device, m.torch_threads or threads)
         s = self.settings
         self.engine = GenerationEngine(runner, s.batching, s.admission, s.generation)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         await self.engine.start()
         log.info("replica %s: %s", self.replica_id, self.engine.describe())
-
-    async def info(self, **_: Any) -> dict[str, Any]:
-        """The model's facts the ingress needs, and the engine's boundaries."""
-        i = self.engine.info
-        return {
-            "kind": "generate",
-            "replica": self.replica_id,
-            "name": i.name,
-            "dim": i.dim,
-            "max_length": i.max_length,
-            "vocab_size": i.vocab_size,
-            "boundaries": list(self.engine.cfg.boundaries),
-            "describe": self.engine.describe(),
-        }
 
     async def generate(
         self,
@@ -205,3 +181,22 @@ class LMReplica(ReplicaShell):
                 yield item
         except LenbatchError as err:
             yield {"error": error_fields(err), "replica": self.replica_id}
+
+
+def load_causal(settings: Settings, device: str, threads: int) -> Any:
+    """The settings' causal LM as `lenbatch serve` loads it (a `CausalLMRunner`)."""
+    from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
+
+    m = settings.model
+    ref = resolve_causal_model(m.name)
+    if ref is None:
+        raise ValueError("the model is not a causal LM")
+    return CausalLMRunner(
+        ref.folder,
+        gguf_file=ref.gguf_file,
+        name=ref.name,
+        device=device,
+        max_length=m.max_length,
+        torch_threads=threads,
+        dtype=m.dtype,
+    )
