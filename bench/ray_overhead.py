@@ -64,6 +64,8 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/ray_overhead")
     args = p.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", LENBATCH_CONFIG=args.config)
+    # Ray's workers at nice 0 like the single server (Ray's default is 15), as ray_scaleout.sh.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     cli = ("-c", "import sys; from lenbatch.cli import main; sys.exit(main())")
     targets = [
         Target(

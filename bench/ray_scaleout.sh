@@ -20,6 +20,10 @@ START=${START:-600}
 CONFIG=${CONFIG:-configs/minilm-azure-conv.toml}
 OUT=${OUT:-bench/results/ray-scaleout}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 LENBATCH_CONFIG="$CONFIG"
+# Ray starts its workers (the replicas, the ingress) at nice 15 by default; the single server
+# runs at nice 0. Run both at 0, so that a niced background job on a shared machine does not
+# take CPU from one side only.
+export RAY_worker_niceness=${RAY_worker_niceness:-0}
 exec .venv/bin/lenbatch bench azure-conv \
     --length-scale 0.05 --max-length 256 --rate-scale "$RATE" \
     --start "$START" --duration "$DURATION" --rate-sweep "$SWEEP" \

@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.ranges import (
     LengthRanges,
+    RequestCost,
     assign_groups,
     padded_work,
     plan_ranges,
@@ -85,6 +87,73 @@ def test_drift_re_plans_once_and_then_holds() -> None:
     assert ranges.rebalances == 1
 
 
+# A call costs 20 ms, a padded token 0.1 ms: the fixed cost dominates short inputs.
+COST = CostCoefficients(a=0.02, b=1e-4, c=1e-7)
+
+
+def test_request_cost_is_padded_tokens_or_model_seconds_per_request() -> None:
+    assert RequestCost().of(10, BOUNDS, MAX) == 16.0
+    assert RequestCost().of(300, BOUNDS, MAX) == 300.0
+    # Lane 0 runs batches of 4 on average: the 20 ms call is shared by 4 requests.
+    cost = RequestCost(COST, batch=(4.0, 2.0))
+    assert cost.of(10, BOUNDS, MAX) == pytest.approx(0.02 / 4 + 1e-4 * 16 + 1e-7 * 16**2)
+    assert cost.of(20, BOUNDS, MAX) == pytest.approx(0.02 / 2 + 1e-4 * 32 + 1e-7 * 32**2)
+    # Lanes without a measured batch size count one request per call.
+    assert cost.of(300, BOUNDS, MAX) == pytest.approx(0.02 + 1e-4 * 300 + 1e-7 * 300**2)
+
+
+def test_weighing_by_model_time_gives_the_short_range_fewer_requests() -> None:
+    """Many short inputs, few long ones: padded tokens hand the short range most requests
+    (the last benchmark's 68 %), though the per-call cost makes each short one relatively
+    dear; weighed by model time, the cut moves down and each group's time share evens out."""
+    sample = list(range(1, 17)) * 20 + [100] * 25
+    by_tokens = plan_ranges(sample, BOUNDS, MAX, 2)
+    by_time = plan_ranges(sample, BOUNDS, MAX, 2, cost=RequestCost(COST))
+    assert by_time.cuts[0] < by_tokens.cuts[0]
+    short_by_tokens = sum(n <= by_tokens.cuts[0] for n in sample)
+    short_by_time = sum(n <= by_time.cuts[0] for n in sample)
+    assert short_by_time < short_by_tokens
+    # Under the cost model, the time-weighted plan is the more even one.
+    seconds = [RequestCost(COST).of(n, BOUNDS, MAX) for n in sample]
+
+    def time_shares(cut: int) -> tuple[float, float]:
+        short = sum(w for n, w in zip(sample, seconds, strict=True) if n <= cut)
+        return short / sum(seconds), 1 - short / sum(seconds)
+
+    assert max(time_shares(by_time.cuts[0])) < max(time_shares(by_tokens.cuts[0]))
+    assert by_time.shares == pytest.approx(time_shares(by_time.cuts[0]))
+
+
+@given(
+    st.lists(st.integers(1, MAX), min_size=1, max_size=200),
+    st.integers(1, 5),
+    st.floats(0, 0.1),
+    st.floats(1e-6, 1e-3),
+    st.lists(st.floats(1, 32), max_size=len(BOUNDS) + 1),
+)
+def test_time_weighted_plans_are_well_formed(
+    sample: list[int], groups: int, a: float, b: float, batch: list[float]
+) -> None:
+    cost = RequestCost(CostCoefficients(a, b), tuple(batch))
+    plan = plan_ranges(sample, BOUNDS, MAX, groups, cost=cost)
+    assert plan.groups == groups and sum(plan.shares) == pytest.approx(1.0)
+    assert all(x < y for x, y in zip(plan.cuts, plan.cuts[1:], strict=False))
+    # The weight never falls as a request gets longer within one lane's batch size.
+    assert all(cost.of(n, BOUNDS, MAX) > 0 for n in sample)
+
+
+def test_a_new_cost_model_re_plans_the_window() -> None:
+    ranges = LengthRanges(BOUNDS, MAX, 2, window=1024, check_every=64, min_sample=64)
+    assert not ranges.set_cost(RequestCost(COST))  # nothing seen yet: nothing to weigh
+    sample = list(range(1, 17)) * 20 + [100] * 25
+    ranges.set_cost(RequestCost())
+    ranges.observe(sample)
+    cut_by_tokens = ranges.plan.cuts
+    assert ranges.set_cost(RequestCost(COST))
+    assert ranges.plan.cuts[0] < cut_by_tokens[0]
+    assert not ranges.set_cost(RequestCost(COST))  # same weights: holds
+
+
 def test_assign_groups_keeps_replicas_and_fills_the_empty_group() -> None:
     first = assign_groups({}, ["b", "a"], 2)
     assert first == {"a": 0, "b": 1}
@@ -111,6 +180,35 @@ def test_rank_owner_first_then_spill_when_saturated() -> None:
     # The owning group has no live replica: spill to the rest.
     ranks, spilled = rank_replicas(2, groups, {}, spill_at=8)
     assert spilled and ranks == [["a", "b", "c"]]
+
+
+def test_spill_on_expected_wait() -> None:
+    """Owners 0.5 s of model time behind while another replica waits 0.1 s: the call spills
+    when the gap passes `spill_wait`, whatever the call counts say."""
+    groups = {"a": 0, "b": 1, "c": 1}
+    counts = {"a": 1, "b": 2, "c": 2}
+    waits = {"a": 0.1, "b": 0.6, "c": 0.5}
+    ranks, spilled = rank_replicas(1, groups, counts, 64, waits, spill_wait=0.2)
+    assert spilled and ranks == [["a"], ["c", "b"]]
+    ranks, spilled = rank_replicas(1, groups, counts, 64, waits, spill_wait=0.5)
+    assert not spilled and ranks == [["c", "b"], ["a"]]  # owners by expected wait
+    ranks, spilled = rank_replicas(1, groups, counts, 64)  # no waits: calls in flight
+    assert not spilled and ranks == [["b", "c"], ["a"]]
+
+
+def test_board_tracks_expected_wait_per_replica() -> None:
+    board = RoutingBoard(2)
+    board.set_replicas(["r1", "r2"])
+    board.routed("c1", "r2", owner=1, inputs=1, cost=0.5)
+    board.routed("c2", "r2", owner=1, inputs=1, cost=0.25)
+    waits = {r["replica"]: r["expected_wait_s"] for r in board.snapshot()["replicas"]}
+    assert waits == {"r1": 0.0, "r2": 0.75}
+    ranks, spilled = board.ranks(1, spill_at=64, spill_wait=0.5)
+    assert spilled and ranks[0] == ["r1"]
+    board.completed("c1")
+    board.completed("c2")
+    assert board.snapshot()["replicas"][1]["expected_wait_s"] == 0.0
+    assert board.ranks(1, spill_at=64, spill_wait=0.5) == ([["r2"], ["r1"]], False)
 
 
 def test_board_counts_routes_spills_in_flight_and_replacements() -> None:

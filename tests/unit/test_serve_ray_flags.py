@@ -1,15 +1,14 @@
-"""`lenbatch serve --ray`: what it refuses before it starts anything."""
+"""`lenbatch serve --ray`: what it refuses before it starts anything, and which replicas it
+binds."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from lenbatch.cli import main
-
-
-def test_ray_refuses_causal_models(caplog: pytest.LogCaptureFixture) -> None:
-    assert main(["serve", "--ray", "--model", "smollm2"]) == 2
-    assert "embedding models only" in caplog.text
+from lenbatch.config import Settings
 
 
 @pytest.mark.parametrize("flag", ["--replicas", "--replica-threads"])
@@ -37,3 +36,23 @@ def test_app_builder_binds_the_two_deployments_without_a_cluster() -> None:
         app_builder({"replicas": 2, "groups": 3})
     with pytest.raises(ValueError, match="routing"):
         app_builder({"routing": "random"})
+
+
+def test_a_causal_model_gets_lm_replicas(tiny_llama_dir: Path) -> None:
+    """A causal LM is deployed on `LMReplica`s (completions and chat), an embedding model on
+    `EngineReplica`s; adaptive batching, an embeddings strategy, is refused for a causal LM as
+    `lenbatch serve` refuses it."""
+    pytest.importorskip("ray", reason="needs the Ray extra: pip install 'lenbatch[ray]'")
+    from lenbatch.scaleout.app import RayOptions, build_app
+
+    def engine_class(settings: Settings) -> str:
+        app = build_app(settings, RayOptions(replicas=2))
+        engines = app._bound_deployment.init_args[0]._bound_deployment
+        return str(engines.func_or_class.__name__)
+
+    llm = {"model": {"name": str(tiny_llama_dir)}}
+    assert engine_class(Settings.model_validate(llm)) == "LMReplica"
+    assert engine_class(Settings()) == "EngineReplica"
+    adaptive = dict(llm, batching={"strategy": "adaptive"})
+    with pytest.raises(ValueError, match="causal LM"):
+        build_app(Settings.model_validate(adaptive), RayOptions())

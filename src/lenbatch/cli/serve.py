@@ -115,7 +115,8 @@ def register(sub: Any) -> None:
         "--ray",
         action="store_true",
         help="serve N lenbatch engine replicas behind a length-aware router on Ray Serve: a "
-        "local Ray on 127.0.0.1, or the cluster at RAY_ADDRESS (embedding models)",
+        "local Ray on 127.0.0.1, or the cluster at RAY_ADDRESS (embeddings, or completions and "
+        "chat for a causal LM, routed by prompt length)",
     )
     r.add_argument("--replicas", type=int, default=2, help="--ray: engine replicas (default 2)")
     r.add_argument(
@@ -130,6 +131,15 @@ def register(sub: Any) -> None:
         type=int,
         help="--ray: length ranges the replicas are split into (default: one per replica; "
         "fewer gives each range several replicas)",
+    )
+    r.add_argument(
+        "--ray-spill-wait",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="--ray: send a call outside its length range when its owners' expected queue wait "
+        "(model seconds in flight, from the cost model fitted on the replicas' batches) exceeds "
+        "another replica's by more than S seconds (default 0.2)",
     )
     r.add_argument(
         "--replica-threads",
@@ -237,11 +247,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
     """`--ray`: the Ray Serve app (lenbatch.scaleout) with the same settings."""
-    from lenbatch.runners.causal import resolve_causal_model
-
-    if resolve_causal_model(settings.model.name) is not None:
-        log.error("--ray serves embedding models only for now; serve causal LMs without --ray")
-        return 2
     if args.replicas < 1 or args.replica_threads < 1:
         log.error("--replicas and --replica-threads must be at least 1")
         return 2
@@ -257,6 +262,7 @@ def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
         groups=args.ray_groups,
         routing=args.ray_routing,
         threads=args.replica_threads,
+        spill_wait=args.ray_spill_wait,
     )
     return run(settings, options)
 

@@ -5,17 +5,23 @@ Inside one replica, buckets keep lengths apart. Across replicas, a router that i
 buckets fill N times slower. Here the length axis is cut into one contiguous range per replica
 group instead, so a group sees only its own lengths and its buckets fill as fast as one server's.
 
-The cuts give each group a similar share of *padded-token work*: a request of length L costs
-about the upper bound of its bucket (what its batch is padded to, at worst), and the overlong
-lane costs L itself. The share is measured on the lengths seen lately (a window), starting from
-a prior of one request per bucket at the bucket's middle. Cuts sit on bucket boundaries when
-that is balanced enough (a bucket then lives on one group only); otherwise at the exact
-work quantile. When the window's mix drifts so a group's share leaves the tolerance, the cuts
-are recomputed (`LengthRanges.observe` says when).
+The cuts give each group a similar share of *model time*. A request of length L is padded to
+about the upper bound Lp of its bucket (the overlong lane: to L itself), and with a cost model
+`a + b*B*L + c*B*L^2` seconds per batch (`core.costfit`) and its bucket's mean batch size B it
+costs `a/B + b*Lp + c*Lp^2` seconds (`RequestCost`): the per-call cost `a` weighs on short
+inputs, which run in small, fast batches, and the quadratic term on long ones. Without a cost
+model the weight is Lp, padded tokens (the first plan, before any batch was timed). The share
+is measured on the lengths seen lately (a window), starting from a prior of one request per
+bucket at the bucket's middle. Cuts sit on bucket boundaries when that is balanced enough (a
+bucket then lives on one group only); otherwise at the exact quantile. When the window's mix
+or the cost model drifts so a group's share leaves the tolerance, the cuts are recomputed
+(`LengthRanges.observe` and `set_cost` say when).
 
 `assign_groups` keeps replicas in their group across membership changes (a restarted replica
 takes the place of the one that died), and `rank_replicas` orders a group's replicas for one
-call, spilling to the least-loaded replica elsewhere when every owner is saturated.
+call, spilling to the least-loaded replica elsewhere when every owner is saturated (a count
+of calls in flight) or when the owners' expected queue wait (seconds of model time in flight)
+exceeds another replica's by more than `spill_wait`.
 
 Pure: no clock, no I/O, no Ray.
 """
@@ -23,14 +29,18 @@ Pure: no clock, no I/O, no Ray.
 from __future__ import annotations
 
 import itertools
+import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from lenbatch.core.costfit import CostCoefficients
 
 __all__ = [
     "LengthRanges",
     "RangePlan",
+    "RequestCost",
     "assign_groups",
     "padded_work",
     "plan_ranges",
@@ -48,10 +58,34 @@ def padded_work(length: int, boundaries: Sequence[int], max_length: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestCost:
+    """Model seconds one request costs, by its length: `a/B + b*Lp + c*Lp^2`, Lp its padded
+    length and B its lane's mean batch size (`batch[lane]`, 1 where unknown). Without
+    coefficients: Lp, padded tokens."""
+
+    coefficients: CostCoefficients | None = None
+    batch: tuple[float, ...] = field(default=())
+
+    def of(self, length: int, boundaries: Sequence[int], max_length: int) -> float:
+        """The weight of one request of `length` tokens."""
+        lp = padded_work(length, boundaries, max_length)
+        co = self.coefficients
+        if co is None:
+            return float(lp)
+        lane = bisect_left(boundaries, length)
+        b = self.batch[lane] if lane < len(self.batch) else 1.0
+        b = max(1.0, b)
+        return co.seconds(b, lp) / b
+
+
+PADDED_TOKENS = RequestCost()
+
+
+@dataclass(frozen=True, slots=True)
 class RangePlan:
     """Group `g` owns lengths in `(cuts[g-1], cuts[g]]`; the first group everything up to
     `cuts[0]`, the last everything above `cuts[-1]`. `shares` is each group's fraction of the
-    padded-token work of the sample the plan was made from."""
+    work (`RequestCost`) of the sample the plan was made from."""
 
     cuts: tuple[int, ...]
     shares: tuple[float, ...]
@@ -78,7 +112,7 @@ class RangePlan:
 
 
 def _shares(
-    cuts: Sequence[int], lengths: Sequence[int], work: Sequence[int], groups: int
+    cuts: Sequence[int], lengths: Sequence[int], work: Sequence[float], groups: int
 ) -> tuple[float, ...]:
     per = [0.0] * groups
     for n, w in zip(lengths, work, strict=True):
@@ -94,8 +128,10 @@ def plan_ranges(
     groups: int,
     *,
     tolerance: float = 0.1,
+    cost: RequestCost = PADDED_TOKENS,
 ) -> RangePlan:
-    """Cut the length axis into `groups` ranges of similar padded-token work on `lengths`.
+    """Cut the length axis into `groups` ranges of similar work (`cost`: model seconds, or
+    padded tokens by default) on `lengths`.
 
     Each cut is placed where the cumulative work of the length-sorted sample crosses `g/groups`.
     If a bucket boundary lies close enough that every group's share stays within
@@ -108,7 +144,7 @@ def plan_ranges(
     if groups == 1:
         return RangePlan((), (1.0,))
     sample = sorted(max(1, min(int(n), max_length)) for n in lengths) or [1]
-    work = [padded_work(n, boundaries, max_length) for n in sample]
+    work = [cost.of(n, boundaries, max_length) for n in sample]
     total = float(sum(work))
     cuts: list[int] = []
     acc, i = 0.0, 0
@@ -154,7 +190,8 @@ class LengthRanges:
 
     `observe(lengths)` records inputs; every `check_every` inputs (once `min_sample` have been
     seen) it measures each group's share of the window's work under the current cuts and
-    re-plans if one leaves `(1 ± drift) / groups`. `owner(length)` answers with the current plan.
+    re-plans if one leaves `(1 ± drift) / groups`; `set_cost` swaps the per-request cost (a new
+    fit of the cost model) and checks at once. `owner(length)` answers with the current plan.
     """
 
     def __init__(
@@ -179,6 +216,7 @@ class LengthRanges:
         self.check_every = check_every
         self.min_sample = min_sample
         self.window: deque[int] = deque(maxlen=window)
+        self.cost = PADDED_TOKENS
         self.plan = plan_ranges(
             _prior(self.boundaries, max_length), self.boundaries, max_length, groups,
             tolerance=tolerance,
@@ -202,10 +240,22 @@ class LengthRanges:
         self._since_check = 0
         return self._maybe_replan()
 
+    def set_cost(self, cost: RequestCost) -> bool:
+        """Weigh requests by `cost` from now on; True if this re-planned the cuts."""
+        self.cost = cost
+        if len(self.window) < self.min_sample:
+            return False
+        self._since_check = 0
+        return self._maybe_replan()
+
+    def weight(self, length: int) -> float:
+        """What one request of `length` tokens costs under the current weighting."""
+        return self.cost.of(length, self.boundaries, self.max_length)
+
     def current_shares(self) -> tuple[float, ...]:
-        """Each group's share of the window's padded-token work under the current cuts."""
+        """Each group's share of the window's work under the current cuts."""
         sample = list(self.window)
-        work = [padded_work(n, self.boundaries, self.max_length) for n in sample]
+        work = [self.weight(n) for n in sample]
         return _shares(self.plan.cuts, sample, work, self.groups)
 
     def _maybe_replan(self) -> bool:
@@ -217,7 +267,7 @@ class LengthRanges:
             return False
         new = plan_ranges(
             list(self.window), self.boundaries, self.max_length, self.groups,
-            tolerance=self.tolerance,
+            tolerance=self.tolerance, cost=self.cost,
         )  # fmt: skip
         if new.cuts == self.plan.cuts:
             return False
@@ -251,24 +301,33 @@ def rank_replicas(
     groups: Mapping[str, int],
     loads: Mapping[str, int],
     spill_at: int,
+    waits: Mapping[str, float] | None = None,
+    spill_wait: float = math.inf,
 ) -> tuple[list[list[str]], bool]:
     """Replica ids to try for a call owned by group `owner`, best rank first, and whether the
     first choice is a spill (a replica outside the owning group).
 
-    The owners come first, least loaded first; the other replicas follow as the fallback (Ray
-    moves to the next rank when a whole rank is full). If every owner has `spill_at` or more
-    calls in flight and some other replica has fewer than the least-loaded owner, that replica
-    goes first: the call spills. An owning group with no live replica spills too.
+    The owners come first, least loaded first (by expected wait `waits`, seconds of model time
+    in flight, when given; then by calls in flight); the other replicas follow as the fallback
+    (Ray moves to the next rank when a whole rank is full). The least-loaded other replica goes
+    first instead (the call spills) if every owner has `spill_at` or more calls in flight and
+    it has fewer, or if the owners' least expected wait exceeds its own by more than
+    `spill_wait` seconds. An owning group with no live replica spills too.
     """
+    wait = waits or {}
 
-    def load(r: str) -> tuple[int, str]:
-        return (loads.get(r, 0), r)
+    def load(r: str) -> tuple[float, int, str]:
+        return (wait.get(r, 0.0), loads.get(r, 0), r)
 
     owners = sorted((r for r, g in groups.items() if g == owner), key=load)
     others = sorted((r for r, g in groups.items() if g != owner), key=load)
     if not owners:
         return ([others] if others else []), bool(others)
-    least = loads.get(owners[0], 0)
-    if others and least >= spill_at and loads.get(others[0], 0) < least:
-        return [rank for rank in ([others[0]], owners, others[1:]) if rank], True
+    if others:
+        best, other = owners[0], others[0]
+        least = min(loads.get(r, 0) for r in owners)
+        by_count = least >= spill_at and loads.get(other, 0) < least
+        by_wait = wait.get(best, 0.0) - wait.get(other, 0.0) > spill_wait
+        if by_count or by_wait:
+            return [rank for rank in ([other], owners, others[1:]) if rank], True
     return [rank for rank in (owners, others) if rank], False

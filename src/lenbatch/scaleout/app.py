@@ -1,7 +1,8 @@
 """The Ray Serve application: an ingress and N lenbatch engine replicas, and how to run it.
 
     HTTP ─► Ray's proxy ─► Ingress (1 replica: tokenize, length ranges, OpenAI routes)
-                              └─ handle, LengthRangeRouter ─► EngineReplica × N (one engine each)
+                              └─ handle, LengthRangeRouter ─► EngineReplica × N (embeddings)
+                                                            or LMReplica × N (causal LMs)
 
 `build_app` binds the two deployments; `run` starts (or joins) Ray, deploys, prints where it
 serves and, on SIGTERM or Ctrl-C, drains (the ingress refuses new requests and waits for the
@@ -18,9 +19,12 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lenbatch.config import Settings
+
+if TYPE_CHECKING:
+    from lenbatch.scaleout.frontend import Frontend
 
 __all__ = [
     "APP_NAME",
@@ -48,26 +52,41 @@ class RayOptions:
     routing: str = "length"  # "length" (LengthRangeRouter) or "pow2" (Ray's default policy)
     threads: int = 1  # torch threads and Ray CPUs per engine replica
     spill_at: int = 64  # calls in flight on every owner before a call spills
+    spill_wait: float = 0.2  # seconds the owners' expected wait may exceed another replica's
     max_ongoing: int = 1024  # per engine replica (Ray's default of 5 would cap batches at 5)
 
 
 class Ingress:
-    """The HTTP ingress deployment: lenbatch's embeddings app over a `Frontend`."""
+    """The HTTP ingress deployment: lenbatch's own app (embeddings, or completions and chat for
+    a causal LM) over a `Frontend` / `LMFrontend` standing in for the engine."""
 
     # Ray Serve awaits an async constructor (it asks a replica for the model's facts).
     async def __init__(  # type: ignore[misc]
         self, engines: Any, settings: dict[str, Any], routing: str, groups: int
     ) -> None:
-        from lenbatch.runners import load_runner
-        from lenbatch.runners.base import ModelInfo
         from lenbatch.scaleout.board import board_for
-        from lenbatch.scaleout.frontend import Frontend
 
         self.settings = Settings.model_validate(settings)
+        facts = await engines.info.remote()
+        board = board_for(ENGINES, groups)
+        self.generates = facts.get("kind") == "generate"
+        self.frontend: Frontend
+        if self.generates:
+            self.frontend = self._lm_frontend(engines, board, facts, routing)
+        else:
+            self.frontend = self._embed_frontend(engines, board, facts, routing)
+        log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
+
+    def _embed_frontend(
+        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
+    ) -> Frontend:
+        from lenbatch.runners import load_runner
+        from lenbatch.runners.base import ModelInfo
+        from lenbatch.scaleout.frontend import Frontend
+
         m = self.settings.model
         # The ingress only tokenizes: one thread, and the same tokenizer as the replicas.
         tokenizer = load_runner(m.name, device="cpu", max_length=m.max_length, torch_threads=1)
-        facts = await engines.info.remote()
         info = ModelInfo(
             name=facts["name"],
             max_length=facts["max_length"],
@@ -77,9 +96,9 @@ class Ingress:
             vocab_size=facts["vocab_size"],
             dim=facts["dim"],
         )
-        self.frontend = Frontend(
+        return Frontend(
             engines,
-            board_for(ENGINES, groups),
+            board,
             tokenizer,
             info,
             facts["boundaries"],
@@ -87,18 +106,45 @@ class Ingress:
             default_truncate=m.truncate,
             request_timeout=self.settings.admission.request_timeout_s,
         )
-        log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
+
+    def _lm_frontend(
+        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
+    ) -> Frontend:
+        from lenbatch.generate.engine import GenerationEngine
+        from lenbatch.scaleout.lmfrontend import LMFrontend
+        from lenbatch.scaleout.replica import load_causal
+
+        s = self.settings
+        # The same tokenizer and chat template as the replicas (the weights are loaded with
+        # it; on the CPU, one thread: the ingress never runs them).
+        runner = load_causal(s, "cpu", 1)
+        local = GenerationEngine(runner, s.batching, s.admission, s.generation)
+        return LMFrontend(
+            engines,
+            board,
+            local,
+            facts["boundaries"],
+            routing=routing,
+            request_timeout=s.admission.request_timeout_s,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         from typing import cast
 
-        from lenbatch.embed.api import create_app
-        from lenbatch.embed.engine import Engine
         from lenbatch.scaleout.frontend import FreshFigures
 
-        # create_app needs what a Frontend has: info, embed_with_usage and the Servable
-        # lifecycle (it is the single server's app, unchanged).
-        app = create_app(cast("Engine", self.frontend), self.settings)
+        # The single server's app, unchanged, over the stand-in: it needs what the engine has
+        # (info, the submit/stream or embed calls, and the Servable lifecycle).
+        if self.generates:
+            from lenbatch.generate.api import create_llm_app
+            from lenbatch.generate.engine import GenerationEngine
+
+            app = create_llm_app(cast("GenerationEngine", self.frontend), self.settings)
+        else:
+            from lenbatch.embed.api import create_app
+            from lenbatch.embed.engine import Engine
+
+            app = create_app(cast("Engine", self.frontend), self.settings)
         app.add_middleware(FreshFigures, frontend=self.frontend)
         return app
 
@@ -120,7 +166,9 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from lenbatch.scaleout.replica import EngineReplica
+    from lenbatch.config import Strategy
+    from lenbatch.runners.causal import resolve_causal_model
+    from lenbatch.scaleout.replica import EngineReplica, LMReplica
     from lenbatch.scaleout.router import LengthRangeRouter
 
     if options.routing not in ("length", "pow2"):
@@ -128,13 +176,17 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
     groups = options.groups or options.replicas
     if not 1 <= groups <= options.replicas:
         raise ValueError(f"groups must be in [1, replicas={options.replicas}], got {groups}")
+    causal = resolve_causal_model(settings.model.name) is not None
+    if causal and settings.batching.strategy is Strategy.ADAPTIVE:
+        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
+    replica_class: Any = LMReplica if causal else EngineReplica
     payload = settings.model_dump(mode="json")
     drain_s = settings.server.drain_timeout_s
     # Ray Serve logs every call of every replica at INFO; follow lenbatch's log level instead.
     level = settings.server.log_level.upper()
     logging_config = {"log_level": level, "enable_access_log": level in ("DEBUG", "INFO")}
     engines = serve.deployment(
-        EngineReplica,
+        replica_class,
         name=ENGINES,
         num_replicas=options.replicas,
         max_ongoing_requests=options.max_ongoing,
@@ -149,6 +201,7 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
                 "groups": groups,
                 "policy": options.routing,
                 "spill_at": options.spill_at,
+                "spill_wait": options.spill_wait,
             },
         ),
     ).bind(payload, options.threads)
@@ -167,7 +220,8 @@ def build_app(settings: Settings, options: RayOptions) -> Any:
 def app_builder(args: dict[str, Any]) -> Any:
     """The application for a Serve config file or a KubeRay `RayService`
     (`import_path: lenbatch.scaleout.app:app_builder`). `args`: `config` (a lenbatch config
-    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`."""
+    file; `LENBATCH_*` variables apply too), `replicas`, `groups`, `routing`, `threads`,
+    `spill_wait`."""
     from lenbatch.config import load_settings
 
     settings = load_settings(args.get("config"), os.environ)
@@ -176,6 +230,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         groups=int(args["groups"]) if args.get("groups") else None,
         routing=str(args.get("routing", "length")),
         threads=int(args.get("threads", 1)),
+        spill_wait=float(args.get("spill_wait", RayOptions.spill_wait)),
     )
     return build_app(settings, options)
 

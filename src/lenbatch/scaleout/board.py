@@ -30,7 +30,8 @@ class RoutingBoard:
         self._lock = threading.Lock()
         self._groups: dict[str, int] = {}
         self._inflight: Counter[str] = Counter()
-        self._calls: dict[str, str] = {}  # Ray's internal request id -> replica
+        self._waits: dict[str, float] = {}  # replica -> model seconds in flight (estimated)
+        self._calls: dict[str, tuple[str, float]] = {}  # Ray's request id -> (replica, cost)
         self._routed: Counter[tuple[int, str]] = Counter()  # (owner group, replica) -> calls
         self._inputs: Counter[tuple[int, str]] = Counter()  # (owner group, replica) -> inputs
         self._spills: Counter[int] = Counter()  # owner group -> calls placed elsewhere
@@ -46,6 +47,7 @@ class RoutingBoard:
             for r in list(self._inflight):
                 if r not in ids:
                     del self._inflight[r]
+            self._waits = {r: w for r, w in self._waits.items() if r in ids}
             out = dict(self._groups)
         self.changed.set()
         return out
@@ -55,17 +57,25 @@ class RoutingBoard:
         with self._lock:
             return dict(self._groups)
 
-    def ranks(self, owner: int, spill_at: int) -> tuple[list[list[str]], bool]:
-        """`rank_replicas` over the live replicas and their calls in flight."""
+    def ranks(
+        self, owner: int, spill_at: int, spill_wait: float = float("inf")
+    ) -> tuple[list[list[str]], bool]:
+        """`rank_replicas` over the live replicas, their calls and model seconds in flight."""
         with self._lock:
-            return rank_replicas(owner, self._groups, self._inflight, spill_at)
+            return rank_replicas(
+                owner, self._groups, self._inflight, spill_at, self._waits, spill_wait
+            )
 
-    def routed(self, call_id: str, replica: str, owner: int, inputs: int) -> None:
+    def routed(
+        self, call_id: str, replica: str, owner: int, inputs: int, cost: float = 0.0
+    ) -> None:
         """A data call owned by group `owner` went to `replica` (a spill if the replica is in
-        another group; `owner` -1: a call routed without regard to length)."""
+        another group; `owner` -1: a call routed without regard to length), with `cost`
+        estimated model seconds."""
         with self._lock:
-            self._calls[call_id] = replica
+            self._calls[call_id] = (replica, cost)
             self._inflight[replica] += 1
+            self._waits[replica] = self._waits.get(replica, 0.0) + cost
             self._routed[(owner, replica)] += 1
             self._inputs[(owner, replica)] += inputs
             if owner >= 0 and self._groups.get(replica, owner) != owner:
@@ -74,16 +84,27 @@ class RoutingBoard:
     def completed(self, call_id: str) -> None:
         """A call finished (answered, failed or cancelled)."""
         with self._lock:
-            replica = self._calls.pop(call_id, None)
-            if replica is not None and self._inflight[replica] > 0:
+            call = self._calls.pop(call_id, None)
+            if call is None:
+                return
+            replica, cost = call
+            if self._inflight[replica] > 0:
                 self._inflight[replica] -= 1
+            if replica in self._waits:
+                left = self._waits[replica] - cost
+                self._waits[replica] = left if self._inflight[replica] > 0 else 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter, JSON-ready."""
         with self._lock:
             return {
                 "replicas": [
-                    {"replica": r, "group": g, "in_flight": self._inflight[r]}
+                    {
+                        "replica": r,
+                        "group": g,
+                        "in_flight": self._inflight[r],
+                        "expected_wait_s": round(self._waits.get(r, 0.0), 6),
+                    }
                     for r, g in sorted(self._groups.items(), key=lambda x: (x[1], x[0]))
                 ],
                 "routed": [

@@ -31,8 +31,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lenbatch.core.costfit import OnlineCostModel
 from lenbatch.core.errors import LenbatchError, Unavailable, draining
-from lenbatch.core.ranges import LengthRanges
+from lenbatch.core.ranges import LengthRanges, RequestCost
 from lenbatch.embed.engine import Embedded
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo
@@ -41,7 +42,7 @@ from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
 from lenbatch.serving.lifecycle import EngineState, wait_set
 from lenbatch.serving.metrics import percentile
 
-__all__ = ["FreshFigures", "Frontend", "RelayedError"]
+__all__ = ["FreshFigures", "Frontend", "RelayedError", "is_replica_failure", "own_call_id"]
 
 log = logging.getLogger("lenbatch.scaleout.frontend")
 
@@ -50,6 +51,7 @@ _CONTROL_TIMEOUT_S = 10.0
 _REPLICA_KEYS = (
     "replica", "group", "unreachable", "state", "batches", "mean_batch_size", "real_tokens",
     "padded_tokens", "padding_waste", "requests", "p50_ms", "p95_ms", "memory", "per_bucket",
+    "generated_tokens", "ttft_ms", "inter_token_ms", "decode_mean_rows",  # causal LMs
 )  # fmt: skip
 
 
@@ -64,14 +66,14 @@ class RelayedError(LenbatchError):
         self.kind = str(fields["kind"])
 
 
-def _is_replica_failure(exc: BaseException) -> bool:
+def is_replica_failure(exc: BaseException) -> bool:
     """Whether `exc` says the replica (its actor) went away, rather than the request failing."""
     from ray import exceptions as rex
 
     return isinstance(exc, rex.RayActorError | rex.ActorUnavailableError | rex.ActorDiedError)
 
 
-def _own_call_id() -> None:
+def own_call_id() -> None:
     """Give the handle calls made from the current task their own internal request id.
 
     Ray gives every call made while handling one HTTP request the proxy's internal request id,
@@ -99,7 +101,7 @@ class Frontend:
         self,
         handle: Any,
         board: RoutingBoard,
-        tokenizer: EmbeddingRunner,
+        tokenizer: EmbeddingRunner | Any,  # the LM frontend's is a CausalLMRunner
         info: ModelInfo,
         boundaries: Sequence[int],
         *,
@@ -107,8 +109,10 @@ class Frontend:
         default_truncate: bool = False,
         request_timeout: float | None = None,
         attempts: int = 3,
+        refresh_s: float = 2.0,
     ) -> None:
         self.handle = handle
+        self.refresh_s = refresh_s
         self.board = board
         self.tokenizer = tokenizer
         self.info = info
@@ -117,6 +121,14 @@ class Frontend:
         self.request_timeout = request_timeout
         self.attempts = attempts
         self.ranges = LengthRanges(boundaries, info.max_length, board.groups_count)
+        # The replicas' batch timings, fitted here (every refresh adds what each bucket ran
+        # since the last): what a request costs, for the ranges and the expected queue waits.
+        # A short window: one observation per bucket and replica per refresh, so it fills in
+        # tens of seconds and the generic prior fades as fast.
+        self.cost_model = OnlineCostModel(window=64)
+        self.request_cost = RequestCost(self.cost_model.coefficients)
+        self._bucket_totals: dict[tuple[str, str], tuple[int, int, int, float]] = {}
+        self._ticker: asyncio.Task[None] | None = None
         self._state = EngineState.NEW
         self._unanswered = 0
         self._idle = asyncio.Event()
@@ -188,8 +200,18 @@ class Frontend:
         return self._unanswered
 
     async def start(self) -> None:
-        """Start accepting requests."""
+        """Start accepting requests, and fetching the replicas' figures every `refresh_s`."""
         self._state = EngineState.RUNNING
+        if self._ticker is None and self.refresh_s > 0:
+            self._ticker = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while self._state is not EngineState.STOPPED:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # figures are best effort; routing goes on without them
+                log.warning("figures refresh failed (%s)", type(exc).__name__)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503 shutting_down) from now on."""
@@ -207,6 +229,8 @@ class Frontend:
         """Drain, then stop."""
         await self.drain(timeout)
         self._state = EngineState.STOPPED
+        if self._ticker is not None:
+            self._ticker.cancel()
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -216,6 +240,40 @@ class Frontend:
         )
         groups = self.board.groups_count
         return f"ray scale-out over {groups} groups, routing {self.routing} ({rows})"
+
+    def check_running(self) -> None:
+        """Raise the refusal a request gets while the ingress is not running (draining: 503
+        `shutting_down`)."""
+        if self._state is not EngineState.RUNNING:
+            raise (
+                draining()
+                if self._state is EngineState.DRAINING
+                else Unavailable(f"server is {self._state.value}; not accepting requests")
+            )
+
+    def call_admitted(self) -> None:
+        """One more admitted request to answer before a drain ends."""
+        self._unanswered += 1
+        self._idle.clear()
+
+    def call_ended(self, latency_s: float | None = None) -> None:
+        """An admitted request was answered (its ingress latency recorded, if given)."""
+        self._unanswered -= 1
+        if self._unanswered == 0:
+            self._idle.set()
+        if latency_s is not None:
+            self._latencies.append(latency_s)
+
+    def count_retry(self) -> None:
+        """A call is sent again because its replica died."""
+        self.retries += 1
+        self._retries.inc()
+        log.warning("replica died with a call in flight; sending it again")
+
+    def count_failure(self) -> None:
+        """A call is answered 503 because its replica died and no retry was possible."""
+        self.failed += 1
+        self._failed.inc()
 
     # ------------------------------------------------------------------ embedding
 
@@ -239,12 +297,7 @@ class Frontend:
         priority: int = 0,
     ) -> Embedded:
         """Embed each input on the replica group owning its length; vectors in input order."""
-        if self._state is not EngineState.RUNNING:
-            raise (
-                draining()
-                if self._state is EngineState.DRAINING
-                else Unavailable(f"server is {self._state.value}; not accepting requests")
-            )
+        self.check_running()
         t0 = time.perf_counter()
         cut = self.default_truncate if truncate is None else truncate
         ids = self._token_ids(inputs, cut)
@@ -255,19 +308,23 @@ class Frontend:
         for i, n in enumerate(lengths):
             by_group.setdefault(self.ranges.owner(n), []).append(i)
         timeout = timeout if timeout is not None else self.request_timeout
-        self._unanswered += 1
-        self._idle.clear()
+        self.call_admitted()
         try:
             parts = await asyncio.gather(
                 *(
-                    self._call(g, [ids[i] for i in idx], cut, timeout, priority)
+                    self._call(
+                        g,
+                        [ids[i] for i in idx],
+                        cut,
+                        timeout,
+                        priority,
+                        self.cost_of(lengths[i] for i in idx),
+                    )
                     for g, idx in by_group.items()
                 )
             )
         finally:
-            self._unanswered -= 1
-            if self._unanswered == 0:
-                self._idle.set()
+            self.call_ended()
         vectors: list[Any] = [None] * len(ids)
         tokens = 0
         for idx, (vecs, used) in zip(by_group.values(), parts, strict=True):
@@ -284,33 +341,42 @@ class Frontend:
         truncate: bool,
         timeout: float | None,
         priority: int,
+        cost: float = 0.0,
     ) -> tuple[list[Any], int]:
         owner = group if self.routing == "length" else None
         last: BaseException | None = None
         for attempt in range(self.attempts):
             if attempt:
-                self.retries += 1
-                self._retries.inc()
-                log.warning("replica died with a call in flight; sending it again (%d)", attempt)
-            _own_call_id()
+                self.count_retry()
+            own_call_id()
             try:
-                out = await self.handle.embed.remote(ids, truncate, timeout, priority, group=owner)
+                out = await self.handle.embed.remote(
+                    ids, truncate, timeout, priority, group=owner, cost=cost
+                )
             except Exception as exc:
-                if not _is_replica_failure(exc):
+                if not is_replica_failure(exc):
                     raise
                 last = exc
                 continue
             if "error" in out:
                 raise RelayedError(out["error"])
             return list(np.asarray(out["vectors"], dtype=np.float32)), int(out["tokens"])
-        self.failed += 1
-        self._failed.inc()
-        raise Unavailable(
-            f"the replica serving this request died and {self.attempts} attempts failed "
-            f"({type(last).__name__}); retry shortly",
+        raise self.replica_failed(f"{self.attempts} attempts failed", last)
+
+    def replica_failed(self, what: str, last: BaseException | None) -> Unavailable:
+        """Count a call that met a dead replica and cannot be retried; the 503 to answer."""
+        self.count_failure()
+        return Unavailable(
+            f"the replica serving this request died and {what} ({type(last).__name__}); "
+            "retry shortly",
             retry_after=2.0,
             code="replica_failed",
         )
+
+    def cost_of(self, lengths: Any) -> float:
+        """Estimated model seconds of inputs of these lengths (the fitted cost model)."""
+        b, m = self.ranges.boundaries, self.ranges.max_length
+        return sum(self.request_cost.of(n, b, m) for n in lengths)
 
     # ------------------------------------------------------------------ figures
 
@@ -319,7 +385,7 @@ class Frontend:
         replicas = self.board.replicas()
 
         async def one(rid: str) -> tuple[str, dict[str, Any] | None, bytes]:
-            _own_call_id()
+            own_call_id()
             try:
                 stats, text = await asyncio.wait_for(
                     self.handle.figures.remote(replica=rid), _CONTROL_TIMEOUT_S
@@ -340,6 +406,42 @@ class Frontend:
                 row.update(stats)
                 self._expositions.append((rid, replicas[rid], text))
             self._per_replica.append(row)
+        self._learn()
+
+    def _learn(self) -> None:
+        """Fit the cost model on what each replica's buckets ran since the last refresh (one
+        observation per bucket: its mean batch shape and time), then re-weigh the ranges."""
+        seen = 0
+        for row in self._per_replica:
+            for bucket in row.get("per_bucket", []):
+                key = (row["replica"], bucket["bucket"])
+                batches, requests = int(bucket["batches"]), int(bucket["requests"])
+                padded = int(bucket["padded_tokens"])
+                exec_s = bucket["mean_exec_ms"] * batches / 1000
+                prev = self._bucket_totals.get(key, (0, 0, 0, 0.0))
+                self._bucket_totals[key] = (batches, requests, padded, exec_s)
+                db, dr, dp, ds = (
+                    batches - prev[0],
+                    requests - prev[1],
+                    padded - prev[2],
+                    exec_s - prev[3],
+                )
+                if db <= 0 or dr <= 0 or dp <= 0:
+                    continue
+                self.cost_model.observe(round(dr / db), round(dp / dr), ds / db)
+                seen += 1
+        if not seen:
+            return
+        rows = aggregate_replicas([r for r in self._per_replica if not r.get("unreachable")])
+        lanes = rows["per_bucket"]
+        batch = (
+            tuple(float(b["mean_batch_size"]) or 1.0 for b in lanes)
+            if len(lanes) == len(self.ranges.boundaries) + 1
+            else ()
+        )
+        self.request_cost = RequestCost(self.cost_model.coefficients, batch)
+        if self.ranges.set_cost(self.request_cost):
+            log.info("length ranges re-planned by model time: %s", self.ranges.plan.describe())
 
     def stats(self) -> dict[str, Any]:
         """Aggregated figures (sums over replicas; latency as the ingress measured it), each
@@ -356,6 +458,7 @@ class Frontend:
                 "p95_ms": 1000 * percentile(lat, 95) if lat else None,
                 "p99_ms": 1000 * percentile(lat, 99) if lat else None,
                 "boundaries": list(self.ranges.boundaries),
+                "cost_model": self.cost_model.describe(),
                 "routing": {
                     "policy": self.routing,
                     "ranges": self.ranges.plan.describe(),
@@ -395,6 +498,11 @@ class FreshFigures:
         self.frontend = frontend
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in ("/stats", "/metrics"):
-            await self.frontend.refresh()
+        if scope["type"] == "http":
+            # Under a route prefix (an app beside others on one Serve) the path includes it.
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            if path in ("/stats", "/metrics"):
+                await self.frontend.refresh()
         await self.app(scope, receive, send)

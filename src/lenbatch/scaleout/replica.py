@@ -1,4 +1,5 @@
-"""One engine replica: a lenbatch embedding `Engine` inside a Ray Serve replica.
+"""One engine replica: a lenbatch embedding `Engine` (`EngineReplica`) or a causal LM's
+`GenerationEngine` (`LMReplica`) inside a Ray Serve replica.
 
 The replica loads the same model with the same settings as `lenbatch serve` and runs the same
 engine (buckets, scheduler, admission, recovery); only the HTTP layer is elsewhere (the ingress).
@@ -7,6 +8,10 @@ go back as plain data: the vectors, or the error a client should see, so nothing
 Ray wraps exceptions. The keyword arguments `group` and `replica` are for the request router
 (`lenbatch.scaleout.router`) and ignored here.
 
+`LMReplica.generate` is a streaming call: the first item says whether the prompt was admitted
+(or carries the error a client should see), then one item per delta, the last with the
+sequence's timings. The ingress relays them (`scaleout.lmfrontend`).
+
 On shutdown (Ray calls `__del__` during a graceful stop) the engine drains: every admitted
 request is answered.
 """
@@ -14,13 +19,14 @@ request is answered.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
-from lenbatch.config import Settings
+from lenbatch.config import Settings, Strategy
 from lenbatch.core.errors import LenbatchError
 from lenbatch.embed.engine import Engine
 
-__all__ = ["EngineReplica", "error_fields"]
+__all__ = ["EngineReplica", "LMReplica", "ReplicaShell", "error_fields", "load_causal"]
 
 log = logging.getLogger("lenbatch.scaleout.replica")
 
@@ -36,7 +42,46 @@ def error_fields(err: LenbatchError) -> dict[str, Any]:
     }
 
 
-class EngineReplica:
+class ReplicaShell:
+    """What both replica kinds share: figures for the ingress, Ray's health check and the
+    drain on a graceful stop (subclasses set `engine`, `settings` and `replica_id`)."""
+
+    engine: Any
+    settings: Settings
+    replica_id: str
+
+    async def info(self, **_: Any) -> dict[str, Any]:
+        """The model's facts the ingress needs (`kind`: embedding or generate), and the
+        engine's boundaries."""
+        i = self.engine.info
+        return {
+            "kind": i.kind,
+            "replica": self.replica_id,
+            "name": i.name,
+            "dim": i.dim,
+            "max_length": i.max_length,
+            "vocab_size": i.vocab_size,
+            "boundaries": list(self.engine.cfg.boundaries),
+            "describe": self.engine.describe(),
+        }
+
+    async def figures(self, **_: Any) -> tuple[dict[str, Any], bytes]:
+        """The engine's `/stats` JSON and its Prometheus exposition, in one call."""
+        out = self.engine.stats()
+        out["replica"] = self.replica_id
+        return out, self.engine.prometheus()
+
+    def check_health(self) -> None:
+        """Ray's health check: a failed runner makes the replica unhealthy, so Ray replaces it."""
+        if self.engine.failure is not None:
+            raise RuntimeError(f"runner failed: {self.engine.failure}")
+
+    async def __del__(self) -> None:
+        # Ray's graceful stop: answer every admitted request before the replica goes.
+        await self.engine.stop(timeout=self.settings.server.drain_timeout_s)
+
+
+class EngineReplica(ReplicaShell):
     """A Ray Serve deployment class: one lenbatch engine per replica."""
 
     # Ray Serve awaits an async constructor (the engine starts on the replica's loop).
@@ -47,12 +92,16 @@ class EngineReplica:
 
         self.settings = Settings.model_validate(settings)
         m = self.settings.model
+        execution = m.execution
+        if execution == "auto" and self.settings.batching.strategy is Strategy.STATIC:
+            execution = "padded"  # as `lenbatch serve`: static pads on purpose
         runner = load_runner(
             m.name,
             device=m.device,
             max_length=m.max_length,
             torch_threads=m.torch_threads or threads,
             dtype=m.dtype,
+            execution=execution,
         )
         self.engine = Engine(
             runner,
@@ -60,23 +109,11 @@ class EngineReplica:
             self.settings.admission,
             recovery=self.settings.recovery,
             default_truncate=m.truncate,
+            adaptive=self.settings.adaptive,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         await self.engine.start()
         log.info("replica %s: %s", self.replica_id, self.engine.describe())
-
-    async def info(self, **_: Any) -> dict[str, Any]:
-        """The model's facts the ingress needs, and the engine's boundaries."""
-        i = self.engine.info
-        return {
-            "replica": self.replica_id,
-            "name": i.name,
-            "dim": i.dim,
-            "max_length": i.max_length,
-            "vocab_size": i.vocab_size,
-            "boundaries": list(self.engine.cfg.boundaries),
-            "describe": self.engine.describe(),
-        }
 
     async def embed(
         self,
@@ -95,17 +132,71 @@ class EngineReplica:
             return {"error": error_fields(err), "replica": self.replica_id}
         return {"vectors": done.vectors, "tokens": done.prompt_tokens, "replica": self.replica_id}
 
-    async def figures(self, **_: Any) -> tuple[dict[str, Any], bytes]:
-        """The engine's `/stats` JSON and its Prometheus exposition, in one call."""
-        out = self.engine.stats()
-        out["replica"] = self.replica_id
-        return out, self.engine.prometheus()
 
-    def check_health(self) -> None:
-        """Ray's health check: a failed runner makes the replica unhealthy, so Ray replaces it."""
-        if self.engine.failure is not None:
-            raise RuntimeError(f"runner failed: {self.engine.failure}")
+class LMReplica(ReplicaShell):
+    """A Ray Serve deployment class: one `GenerationEngine` (a causal LM) per replica, loaded
+    exactly as `lenbatch serve --model <causal LM>` loads it."""
 
-    async def __del__(self) -> None:
-        # Ray's graceful stop: answer every admitted request before the replica goes.
-        await self.engine.stop(timeout=self.settings.server.drain_timeout_s)
+    async def __init__(self, settings: dict[str, Any], threads: int = 1) -> None:  # type: ignore[misc]
+        from ray import serve
+
+        from lenbatch.generate.engine import GenerationEngine
+
+        self.settings = Settings.model_validate(settings)
+        m = self.settings.model
+        runner = load_causal(self.settings, m.device, m.torch_threads or threads)
+        s = self.settings
+        self.engine = GenerationEngine(runner, s.batching, s.admission, s.generation)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        await self.engine.start()
+        log.info("replica %s: %s", self.replica_id, self.engine.describe())
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: Any,
+        timeout: float | None,
+        priority: int = 0,
+        **_: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Generate from one tokenized prompt: `{"admitted": replica}` or `{"error": ...}`
+        first, then `{"ids", "text", "finish_reason"}` per delta (the last one also carries
+        `timings`), or `{"error": ...}` if the sequence fails. Leaving early (the ingress
+        cancels the stream) cancels the sequence."""
+        try:
+            seq = self.engine.submit(prompt, params, timeout=timeout, priority=priority)
+        except LenbatchError as err:
+            yield {"error": error_fields(err), "replica": self.replica_id}
+            return
+        yield {"admitted": self.replica_id}
+        try:
+            async for d in self.engine.stream(seq):
+                item: dict[str, Any] = {
+                    "ids": list(d.token_ids),
+                    "text": d.text,
+                    "finish_reason": d.finish_reason,
+                }
+                if d.finish_reason is not None:
+                    item["timings"] = seq.timings.summary_ms()
+                yield item
+        except LenbatchError as err:
+            yield {"error": error_fields(err), "replica": self.replica_id}
+
+
+def load_causal(settings: Settings, device: str, threads: int) -> Any:
+    """The settings' causal LM as `lenbatch serve` loads it (a `CausalLMRunner`)."""
+    from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
+
+    m = settings.model
+    ref = resolve_causal_model(m.name)
+    if ref is None:
+        raise ValueError("the model is not a causal LM")
+    return CausalLMRunner(
+        ref.folder,
+        gguf_file=ref.gguf_file,
+        name=ref.name,
+        device=device,
+        max_length=m.max_length,
+        torch_threads=threads,
+        dtype=m.dtype,
+    )

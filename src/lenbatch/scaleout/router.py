@@ -7,7 +7,9 @@ replica of the first rank that has room (below `max_ongoing_requests`), and fall
 next rank. This router ranks by the call's `group` keyword (the length range the ingress found
 for its inputs, see `lenbatch.core.ranges`): the group's replicas first, least loaded first,
 then the others; when every owner has `spill_at` calls in flight and another replica has
-fewer, that replica goes first (a spill). Every decision and spill is counted on the routing
+fewer, or the owners' expected queue wait (the model seconds in flight, from each call's `cost`
+keyword, the ingress's estimate) exceeds another replica's by more than `spill_wait`, that
+replica goes first (a spill). Every decision and spill is counted on the routing
 board the ingress reads.
 
 Two more call kinds: a call with `replica=ID` goes to that replica only (the ingress fans
@@ -36,9 +38,15 @@ class LengthRangeRouter(RequestRouter):  # type: ignore[misc]  # Ray is typed An
     board: RoutingBoard
     policy: str
     spill_at: int
+    spill_wait: float
 
     def initialize_state(
-        self, board: str = "engines", groups: int = 1, policy: str = "length", spill_at: int = 64
+        self,
+        board: str = "engines",
+        groups: int = 1,
+        policy: str = "length",
+        spill_at: int = 64,
+        spill_wait: float = float("inf"),
     ) -> None:
         """Called by Ray with `RequestRouterConfig.request_router_kwargs`."""
         if policy not in ("length", "pow2"):
@@ -46,6 +54,7 @@ class LengthRangeRouter(RequestRouter):  # type: ignore[misc]  # Ray is typed An
         self.board = board_for(board, groups)
         self.policy = policy
         self.spill_at = spill_at
+        self.spill_wait = spill_wait
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Ray's new replica set: keep it, and let the board keep each replica's group."""
@@ -78,21 +87,25 @@ class LengthRangeRouter(RequestRouter):  # type: ignore[misc]  # Ray is typed An
         if self.policy == "pow2" or group is None:
             picked = random.sample(list(by_id.values()), min(2, len(by_id)))
             return [picked] if picked else []
-        ranks, _ = self.board.ranks(int(group), self.spill_at)
+        ranks, _ = self.board.ranks(int(group), self.spill_at, self.spill_wait)
         return [[by_id[r] for r in rank if r in by_id] for rank in ranks]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Count where the call went (the board works out whether it was a spill)."""
-        if pending_request.metadata.call_method != "embed":
+        method = pending_request.metadata.call_method
+        if method not in ("embed", "generate"):
             return  # a control call
         kwargs = pending_request.kwargs
         group = kwargs.get("group")
         owner = -1 if group is None else int(group)
-        inputs = len(pending_request.args[0]) if pending_request.args else 0
+        # An embed call carries a list of inputs; a generate call one prompt.
+        args = pending_request.args
+        inputs = (len(args[0]) if args else 0) if method == "embed" else 1
         call_id = pending_request.metadata.internal_request_id
-        self.board.routed(call_id, replica_id.unique_id, owner, inputs)
+        cost = float(kwargs.get("cost", 0.0))
+        self.board.routed(call_id, replica_id.unique_id, owner, inputs, cost)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The call is over: one fewer in flight on its replica."""
