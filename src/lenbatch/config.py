@@ -404,6 +404,11 @@ class GenerationConfig(BaseModel):
     """`max_tokens` of a completion that does not say (OpenAI's default is 16)."""
     max_tokens_limit: int | None = Field(None, ge=1)
     """Largest `max_tokens` a request may ask for (None: up to the context length)."""
+    compile: bool = False
+    """Run prefill and decode in static shapes (bucket bound x row class, row class x cache
+    width class) through `torch.compile`, one graph per shape, compiled at start-up."""
+    compile_max_width: int = Field(512, ge=64)
+    """compile: widest static shape (prompt or cache columns); wider units run eager."""
 
 
 class Settings(BaseModel):
