@@ -106,3 +106,22 @@ def test_compiled_graphs_give_the_eager_tokens(llama_runner: Any) -> None:
     assert stats.shapes.keys() == {"4x16->16", "4x1->64"}
     # 12 tokens: 1 from prefill, 11 decode steps of which the first compiles its shape.
     assert stats.hits == 10 and stats.misses == 0
+
+
+def test_warm_up_runs_every_shape_class(llama_runner: Any) -> None:
+    """Start-up runs each prefill class (bucket bounds, then powers of two up to the widest)
+    and each decode class once (eager here; compiled with `compile`)."""
+    static = make_static(llama_runner, (16, 511), 2, 64, compile=False)
+    calls: list[str] = []
+    run = static.graphs.run
+
+    def spy(ids: Any, mask: Any, pos: Any, cols: Any, keys: Any, values: Any) -> Any:
+        calls.append(static.graphs.shape_key(ids, keys))
+        return run(ids, mask, pos, cols, keys, values)
+
+    static.graphs.run = spy  # type: ignore[method-assign]
+    assert static.warm_up() == 8
+    assert calls == [
+        "1x16->16", "2x16->16", "1x32->32", "2x32->32", "1x64->64", "2x64->64",
+        "1x1->64", "2x1->64",
+    ]  # fmt: skip

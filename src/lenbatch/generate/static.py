@@ -130,7 +130,9 @@ class StaticRunner:
 
     def _buffers(self, rows: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (rows, self.kv_heads, width, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        keys = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
         values = [torch.zeros_like(k) for k in keys]
         return keys, values
 
@@ -163,9 +165,7 @@ class StaticRunner:
         write = torch.arange(cols, device=dev)
         logits = self.graphs.run(ids, mask[:, None], pos, write, keys, values)
         lo = cols - width
-        cache = FixedKV(
-            [k[:rows, :, lo:] for k in keys], [v[:rows, :, lo:] for v in values], write
-        )
+        cache = FixedKV([k[:rows, :, lo:] for k in keys], [v[:rows, :, lo:] for v in values], write)
         return logits[:rows], cache
 
     # ------------------------------------------------------------------ decode
@@ -210,8 +210,8 @@ class StaticRunner:
         prefill, decode = self.classes.shapes()
         for rows, cols in prefill:
             pad = self.pad_id
-            ids = [[pad] * cols for _ in range(rows)]
-            self.prefill(collate(ids, pad, "left", position_ids=True))
+            prompts = [[pad] * cols for _ in range(rows)]
+            self.prefill(collate(prompts, pad, "left", position_ids=True))
         for rows, cols in decode:
             ids, pos, mask, write = self._decode_tensors(rows, cols, cols - 1)
             keys, values = self._buffers(rows, cols)

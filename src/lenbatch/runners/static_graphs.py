@@ -66,7 +66,12 @@ class FixedKV:
         return [_FixedLayer(k, v) for k, v in zip(self.keys, self.values, strict=True)]
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any, **k: Any
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *a: Any,
+        **k: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new columns in place; return the layer's whole buffers."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
