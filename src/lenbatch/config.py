@@ -405,8 +405,7 @@ class GenerationConfig(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1)
     """Largest `max_tokens` a request may ask for (None: up to the context length)."""
     compile: bool = False
-    """Run prefill and decode in static shapes (bucket bound x row class, row class x cache
-    width class) through `torch.compile`, one graph per shape, compiled at start-up."""
+    """Static shapes (bucket x rows, rows x cache width), one torch.compile graph each."""
     compile_max_width: int = Field(512, ge=64)
     """compile: widest static shape (prompt or cache columns); wider units run eager."""
 
