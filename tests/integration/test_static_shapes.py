@@ -56,7 +56,12 @@ async def test_static_shapes_equal_generate_alone(
     finally:
         await engine.stop()
     assert list(got) == expected
-    assert engine.stats()["compile"]["enabled"] is False
+    assert engine.stats()["compile"] == {
+        "enabled": False, "graphs": 0, "compile_s": 0.0, "hits": 0, "misses": 0
+    }  # fmt: skip
+    text = engine.lm.prometheus().decode()
+    assert "lenbatch_llm_compiled_graphs 0.0" in text
+    assert 'lenbatch_llm_compiled_units{result="miss"} 0.0' in text
 
 
 def test_shape_classes() -> None:
