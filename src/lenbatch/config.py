@@ -404,6 +404,10 @@ class GenerationConfig(BaseModel):
     """`max_tokens` of a completion that does not say (OpenAI's default is 16)."""
     max_tokens_limit: int | None = Field(None, ge=1)
     """Largest `max_tokens` a request may ask for (None: up to the context length)."""
+    compile: bool = False
+    """Static shapes (bucket x rows, rows x cache width), one torch.compile graph each."""
+    compile_max_width: int = Field(512, ge=64)
+    """compile: widest static shape (prompt or cache columns); wider units run eager."""
 
 
 class Settings(BaseModel):

@@ -58,6 +58,14 @@ def register(sub: Any) -> None:
         type=int,
         help="continuous: token budget per step; longer prefills are chunked (default 256)",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="static shapes (bucket bound x row class, row class x cache width) compiled with "
+        "torch.compile at start-up; off by default: on a 2-core AVX2 CPU it costs minutes per "
+        "shape and was slower (bench/results/llm_decode_cpu.md)",
+    )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (all but /health)")
@@ -166,6 +174,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "mode": args.decode_mode,
             "max_running": args.max_running,
             "step_tokens": args.step_tokens,
+            "compile": args.compile,
         },
         "server": {
             "host": args.host,

@@ -25,6 +25,7 @@ from lenbatch.core.collate import Collated, collate
 from lenbatch.generate.kvcache import KVBatch, cache_bytes
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.sequence import Delta, Sequence
+from lenbatch.generate.static import StaticRunner
 from lenbatch.runners.base import CausalRunner
 
 __all__ = ["MIN_OOM_CHUNK", "DecodeCore", "PrefillJob", "UnitResult"]
@@ -83,9 +84,15 @@ class DecodeCore:
     """Prefill jobs and the running decode batch of one model."""
 
     def __init__(
-        self, runner: CausalRunner, clock: Callable[[], float], release_on_merge: bool
+        self,
+        runner: CausalRunner,
+        clock: Callable[[], float],
+        release_on_merge: bool,
+        static: StaticRunner | None = None,
     ) -> None:
         self.runner = runner
+        # Static shapes (and compiled graphs) for whole prefills and decode steps that fit them.
+        self.static = static
         self.now = clock
         # Continuous batching frees a scheduler slot once a batch's rows joined the decode batch;
         # static batching holds it until every row of the batch has finished.
@@ -162,8 +169,14 @@ class DecodeCore:
         mask = torch.from_numpy(b.attention_mask[:, :hi]).to(dev)
         assert b.position_ids is not None
         pos = torch.from_numpy(b.position_ids[:, lo:hi]).to(dev)
+        static = self.static
         start = self.now()
-        logits = self.runner.forward(ids, mask, pos, job.cache)
+        if static is not None and lo == 0 and hi == job.width and static.prefill_fits(hi):
+            logits, job.cache = static.prefill(b)
+        else:
+            if static is not None:
+                static.graphs.count_eager()
+            logits = self.runner.forward(ids, mask, pos, job.cache)
         end = self.now()
         for s in job.seqs:
             t = s.timings
@@ -206,9 +219,15 @@ class DecodeCore:
         kv = self.running
         if kv is None or not self.rows:
             return result
-        ids, mask, pos = kv.step_inputs()
+        static = self.static
         start = self.now()
-        logits = self.runner.forward(ids, mask, pos, kv.cache)
+        if static is not None and static.decode_fits(kv):
+            logits, mask = static.decode(kv)
+        else:
+            if static is not None:
+                static.graphs.count_eager()
+            ids, mask, pos = kv.step_inputs()
+            logits = self.runner.forward(ids, mask, pos, kv.cache)
         end = self.now()
         tokens = _choose(logits, self.rows, self.runner.eos_token_ids)
         kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, GenerationConfig
+from lenbatch.config import AdmissionConfig, BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.clock import Clock
 from lenbatch.core.errors import (
     BadInput,
@@ -40,6 +40,7 @@ from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import Unit, make_policy
 from lenbatch.generate.sampling import SamplingParams, TextTracker
 from lenbatch.generate.sequence import Delta, Sequence, Timings
+from lenbatch.generate.static import make_static
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import BaseEngine, EngineState, wait_set
@@ -68,6 +69,7 @@ class GenerationEngine(BaseEngine):
         *,
         clock: Clock | None = None,
         length_log: LengthLog | None = None,
+        static_shapes: bool | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -90,7 +92,23 @@ class GenerationEngine(BaseEngine):
         )
         self.policy = make_policy(self.generation, self.batching.max_batch)
         self.lm = LMMetrics()
-        self.core = DecodeCore(runner, self.clock.now, self.policy.release_on_merge)
+        # Static shapes follow `generation.compile`; `static_shapes=True` runs them eager (to
+        # check or measure the padding alone).
+        static = None
+        if self.generation.compile or static_shapes:
+            max_rows = (
+                self.generation.max_running
+                if self.generation.mode is DecodeMode.CONTINUOUS
+                else self.batching.max_batch
+            )
+            static = make_static(
+                runner,
+                tuple(p.upper for p in lanes.cfg.lanes),
+                max_rows,
+                self.generation.compile_max_width,
+                compile=self.generation.compile,
+            )
+        self.core = DecodeCore(runner, self.clock.now, self.policy.release_on_merge, static)
         self._open: dict[str, Sequence] = {}  # admitted, not yet ended
         self._idle = asyncio.Event()
         self._idle.set()
@@ -105,6 +123,11 @@ class GenerationEngine(BaseEngine):
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(self._executor, warm_up)
             log.info("model warmed up in %.2f s", time.monotonic() - started)
+        static = self.core.static
+        if static is not None and static.graphs.stats.compiled:
+            started = time.monotonic()
+            n = await asyncio.get_running_loop().run_in_executor(self._executor, static.warm_up)
+            log.info("compiled %d static shapes in %.1f s", n, time.monotonic() - started)
 
     def _on_drain(self) -> None:
         # Nobody will join partial batches any more: flush them now.
@@ -136,6 +159,8 @@ class GenerationEngine(BaseEngine):
         out = self.lm.stats()
         out["decode_mode"] = self.mode
         out["preempted_rows"] = self.core.preempted
+        static = self.core.static
+        out["compile"] = static.graphs.stats.as_dict() if static else {"enabled": False}
         return out
 
     def _extra_prometheus(self) -> bytes:
@@ -392,6 +417,8 @@ class GenerationEngine(BaseEngine):
             core.running_rows,
             core.pending_rows,
         )
+        if core.static is not None:
+            self.lm.set_compile(core.static.graphs.stats.as_dict())
 
     def refresh_memory(self) -> None:
         """Weights, activations and KV cache, kept apart (activations = peak above weights

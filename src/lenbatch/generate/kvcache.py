@@ -127,6 +127,34 @@ class WindowLayer(DynamicLayer):
         self.start, self.end = new_left, new_left + width
         self._view()
 
+    def fit(self, rows_cap: int, cols_cap: int) -> None:
+        """Make the buffers exactly `[rows_cap, heads, cols_cap, dim]` with a free column after
+        the window (the static-shape decode writes there): reallocate when the shape differs,
+        else, when the window reaches the buffer's end, move it back to column 0 (one copy)."""
+        assert self.kbuf is not None and self.vbuf is not None
+        width = self.width
+        if width >= cols_cap or self.rows > rows_cap:
+            raise RuntimeError(f"bug: {self.rows}x{width} does not fit {rows_cap}x{cols_cap}")
+        same = self.kbuf.shape[0] == rows_cap and self.kbuf.shape[2] == cols_cap
+        if same and self.end < cols_cap:
+            return
+        for name in ("kbuf", "vbuf"):
+            old: torch.Tensor = getattr(self, name)
+            win = old[: self.rows, :, self.start : self.end]
+            if same:
+                old[: self.rows, :, :width] = win.clone()  # overlapping ranges: copy first
+            else:
+                new = old.new_zeros((rows_cap, old.shape[1], cols_cap, old.shape[3]))
+                new[: self.rows, :, :width] = win
+                setattr(self, name, new)
+        self.start, self.end = 0, width
+        self._view()
+
+    def wrote_column(self) -> None:
+        """The static-shape decode wrote one column at the window's end: take it in."""
+        self.end += 1
+        self._view()
+
     # ------------------------------------------------------------------ what the model calls
 
     def update(
@@ -313,6 +341,36 @@ class KVBatch:
         self.mask = both
         self.next_pos = torch.cat([self.next_pos, next_pos])
         self.last = torch.cat([self.last, last])
+
+    def fit_static(self, classes: Any, needed: int) -> tuple[int, int]:
+        """Refit every layer's buffers to the static shape class for this batch with `needed`
+        columns (`generate.static.ShapeClasses`); returns (row class, width class)."""
+        layers = self._layers()
+        buf = layers[0].kbuf
+        assert buf is not None
+        rows_cap = classes.row_class(self.rows, int(buf.shape[0]))
+        cols_cap = classes.decode_width(needed, int(buf.shape[2]))
+        for layer in layers:
+            layer.fit(rows_cap, cols_cap)
+        return rows_cap, cols_cap
+
+    def window_bounds(self) -> tuple[int, int]:
+        """(start, end) of the window in buffer columns (the same in every layer)."""
+        first = self._layers()[0]
+        return first.start, first.end
+
+    def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's whole key and value buffers."""
+        layers = self._layers()
+        keys = [layer.kbuf for layer in layers]
+        values = [layer.vbuf for layer in layers]
+        assert all(k is not None for k in keys) and all(v is not None for v in values)
+        return keys, values  # type: ignore[return-value]
+
+    def wrote_column(self) -> None:
+        """A static-shape decode step wrote its column into every layer's buffers."""
+        for layer in self._layers():
+            layer.wrote_column()
 
     def rollback(self) -> None:
         """Undo the writes of a decode step that failed part-way (some layers appended their

@@ -101,6 +101,18 @@ class LMMetrics:
             ["kind"],
             registry=r,
         )
+        self.graphs = Gauge(
+            "lenbatch_llm_compiled_graphs", "Static shapes compiled (--compile)", registry=r
+        )
+        self.compile_s = Gauge(
+            "lenbatch_llm_compile_seconds", "Seconds spent compiling static shapes", registry=r
+        )
+        self.static_calls = Gauge(
+            "lenbatch_llm_compiled_units",
+            "Units run by a compiled graph (hit) or eager for want of a static shape (miss)",
+            ["result"],
+            registry=r,
+        )
         self._oom = {"prefill": 0, "decode": 0}
         self._ttft: deque[float] = deque(maxlen=_WINDOW)
         self._stages: dict[str, deque[float]] = {s: deque(maxlen=_WINDOW) for s in STAGES}
@@ -165,6 +177,13 @@ class LMMetrics:
         self._kv = {"bytes": kv_bytes, "real_bytes": kv_real_bytes, "peak_bytes": kv_peak}
         self.running.set(running)
         self.pending.set(pending)
+
+    def set_compile(self, stats: Mapping[str, Any]) -> None:
+        """Compiled graphs, compile seconds and hits/misses (`StaticGraphs.stats`)."""
+        self.graphs.set(stats["graphs"])
+        self.compile_s.set(stats["compile_s"])
+        self.static_calls.labels("hit").set(stats["hits"])
+        self.static_calls.labels("miss").set(stats["misses"])
 
     def prometheus(self) -> bytes:
         """Prometheus text exposition of the generation series."""
