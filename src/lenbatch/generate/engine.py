@@ -207,6 +207,28 @@ class GenerationEngine(BaseEngine):
         cap = self.generation.max_tokens_limit
         return max(1, min(left, cap) if cap is not None else left)
 
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse a prompt the model cannot take, before any admission: empty, token ids out of
+        the vocabulary, `max_tokens` over this server's limit (`BadInput`), or prompt plus
+        `max_tokens` over the context (`InputTooLong`). The Ray ingress calls it too, so a bad
+        prompt gets its status before a stream starts."""
+        if not prompt:
+            raise BadInput("the prompt is empty (0 tokens)")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.info.vocab_size:
+            raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
+        limit = self.generation.max_tokens_limit
+        if limit is not None and params.max_tokens > limit:
+            raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
+        context = self.info.max_length
+        if len(prompt) + params.max_tokens > context:
+            err = InputTooLong(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {context} tokens"
+            )
+            self.metrics.record_rejection(err.code)
+            raise err
+
     def submit_all(
         self,
         prompts: list[list[int]],
@@ -245,22 +267,7 @@ class GenerationEngine(BaseEngine):
         """
         if self.state is not EngineState.RUNNING:
             raise self.refusal()
-        if not prompt:
-            raise BadInput("the prompt is empty (0 tokens)")
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.info.vocab_size:
-            raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
-        limit = self.generation.max_tokens_limit
-        if limit is not None and params.max_tokens > limit:
-            raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
-        context = self.info.max_length
-        if len(prompt) + params.max_tokens > context:
-            err = InputTooLong(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
-                f"together they exceed the model's context of {context} tokens"
-            )
-            self.metrics.record_rejection(err.code)
-            raise err
+        self.check_prompt(prompt, params)
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
         if refusal is not None:

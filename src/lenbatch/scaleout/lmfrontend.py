@@ -6,7 +6,7 @@ defaults, chat template, SSE framing and error shape. What the app's engine call
 
     prompt_ids / chat_prompt ─► tokenize once at the ingress (an unstarted local
                                  GenerationEngine does it exactly as the single server)
-    submit_all ─► the checks `GenerationEngine.submit` makes before admission, then one
+    submit_all ─► `GenerationEngine.check_prompt` (the single server's checks), then one
                   `RemoteSequence` per prompt, owned by the group whose range holds its length
     stream     ─► a streaming handle call `LMReplica.generate(..., group=owner)` to a replica
                   of that group (`LengthRangeRouter`), its deltas relayed as they come
@@ -24,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lenbatch.core.errors import BadInput, InputTooLong
 from lenbatch.generate.engine import GenerationEngine
 from lenbatch.generate.sampling import SamplingParams
 from lenbatch.generate.sequence import Delta
@@ -133,24 +132,6 @@ class LMFrontend(Frontend):
         """Most tokens a prompt of `prompt_len` tokens may generate."""
         return self.local.context_left(prompt_len)
 
-    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        # The checks GenerationEngine.submit makes before admission (same errors), here so a
-        # bad prompt is refused with its status before a stream starts; the replica's engine
-        # makes them again, and its admission (queue limits) answers the rest.
-        if not prompt:
-            raise BadInput("the prompt is empty (0 tokens)")
-        if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
-            raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
-        limit = self.generation.max_tokens_limit
-        if limit is not None and params.max_tokens > limit:
-            raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
-        context = self.info.max_length
-        if len(prompt) + params.max_tokens > context:
-            raise InputTooLong(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
-                f"together they exceed the model's context of {context} tokens"
-            )
-
     def submit_all(
         self,
         prompts: list[list[int]],
@@ -164,7 +145,10 @@ class LMFrontend(Frontend):
         sent until the app streams it."""
         self.check_running()
         for p in prompts:
-            self._check_prompt(p, params)
+            # The single server's checks, here so a bad prompt is refused with its status
+            # before a stream starts; the replica's engine makes them again, and its
+            # admission (queue limits) answers the rest.
+            self.local.check_prompt(p, params)
         lengths = [len(p) for p in prompts]
         self.ranges.observe(lengths)
         timeout = timeout if timeout is not None else self.request_timeout
