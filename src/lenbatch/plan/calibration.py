@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from lenbatch.plan.costmodel import CostModel
+from lenbatch.serving.metrics import bucket_totals, bucket_work
 
 __all__ = ["ServingOverhead", "calibrated", "measure_overhead"]
 
@@ -60,19 +61,6 @@ class ServingOverhead:
         return self.loop_cpu_s + self.driver_cpu_s
 
 
-def _bucket_totals(stats: Mapping[str, Any]) -> dict[str, tuple[float, float, float, float]]:
-    """bucket -> (batches, requests, padded tokens, exec seconds), cumulative."""
-    return {
-        b["bucket"]: (
-            float(b["batches"]),
-            float(b["requests"]),
-            float(b["padded_tokens"]),
-            float(b["batches"]) * float(b["mean_exec_ms"]) / 1000.0,
-        )
-        for b in stats.get("per_bucket", [])
-    }
-
-
 def measure_overhead(
     run: Mapping[str, Any], cost: CostModel, cpu_runs: Sequence[Mapping[str, Any]] = ()
 ) -> ServingOverhead:
@@ -86,21 +74,14 @@ def measure_overhead(
     before, after = result.get("stats_before"), result.get("stats_after")
     if not before or not after:
         raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
-    start = _bucket_totals(before)
     live_exec = model_exec = 0.0
     batches = 0.0
-    for bucket, (b1, r1, p1, e1) in _bucket_totals(after).items():
-        b0, r0, p0, e0 = start.get(bucket, (0.0, 0.0, 0.0, 0.0))
-        nb, nr, npad, ex = b1 - b0, r1 - r0, p1 - p0, e1 - e0
-        if nb <= 0 or nr <= 0:
-            continue
-        mean_b = nr / nb
-        mean_len = npad / nr  # padded tokens per row = the batches' mean padded length
+    for work in bucket_work(bucket_totals(before), bucket_totals(after)).values():
         # latency() is linear in B for a given L, so the mean batch size gives the mean time
         # exactly; the mean padded length only up to the L^2 term's spread within one bucket.
-        model_exec += nb * cost.latency(mean_b, mean_len)
-        live_exec += ex
-        batches += nb
+        model_exec += work.batches * cost.latency(work.mean_batch, work.mean_padded_len)
+        live_exec += work.exec_s
+        batches += work.batches
     if batches == 0:
         raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
     sent = np.asarray(result["sent"], dtype=np.float64)

@@ -40,7 +40,7 @@ from lenbatch.runners.base import EmbeddingRunner, ModelInfo
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
 from lenbatch.serving.lifecycle import EngineState, wait_set
-from lenbatch.serving.metrics import percentile
+from lenbatch.serving.metrics import BucketWork, bucket_totals, bucket_work, percentile
 
 __all__ = ["FreshFigures", "Frontend", "RelayedError", "is_replica_failure", "own_call_id"]
 
@@ -127,7 +127,7 @@ class Frontend:
         # tens of seconds and the generic prior fades as fast.
         self.cost_model = OnlineCostModel(window=64)
         self.request_cost = RequestCost(self.cost_model.coefficients)
-        self._bucket_totals: dict[tuple[str, str], tuple[int, int, int, float]] = {}
+        self._bucket_totals: dict[str, dict[str, BucketWork]] = {}  # replica -> last reading
         self._ticker: asyncio.Task[None] | None = None
         self._state = EngineState.NEW
         self._unanswered = 0
@@ -413,22 +413,17 @@ class Frontend:
         observation per bucket: its mean batch shape and time), then re-weigh the ranges."""
         seen = 0
         for row in self._per_replica:
-            for bucket in row.get("per_bucket", []):
-                key = (row["replica"], bucket["bucket"])
-                batches, requests = int(bucket["batches"]), int(bucket["requests"])
-                padded = int(bucket["padded_tokens"])
-                exec_s = bucket["mean_exec_ms"] * batches / 1000
-                prev = self._bucket_totals.get(key, (0, 0, 0, 0.0))
-                self._bucket_totals[key] = (batches, requests, padded, exec_s)
-                db, dr, dp, ds = (
-                    batches - prev[0],
-                    requests - prev[1],
-                    padded - prev[2],
-                    exec_s - prev[3],
-                )
-                if db <= 0 or dr <= 0 or dp <= 0:
+            if row.get("unreachable"):
+                continue
+            now = bucket_totals(row)
+            prev = self._bucket_totals.get(row["replica"], {})
+            self._bucket_totals[row["replica"]] = now
+            for work in bucket_work(prev, now).values():
+                if work.padded_tokens <= 0:
                     continue
-                self.cost_model.observe(round(dr / db), round(dp / dr), ds / db)
+                self.cost_model.observe(
+                    round(work.mean_batch), round(work.mean_padded_len), work.mean_exec_s
+                )
                 seen += 1
         if not seen:
             return

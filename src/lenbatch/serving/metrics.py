@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from lenbatch.runners.memory import peak_rss
 
-__all__ = ["Metrics", "percentile"]
+__all__ = ["BucketWork", "Metrics", "bucket_totals", "bucket_work", "percentile"]
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -339,3 +339,61 @@ class Metrics:
             "memory": dict(self._memory),
             "per_bucket": per_bucket,
         }
+
+
+@dataclass(frozen=True)
+class BucketWork:
+    """What one bucket ran: batches, requests, padded tokens and model seconds (cumulative as
+    `/stats` reports them, or the difference of two readings, see `bucket_work`)."""
+
+    batches: float
+    requests: float
+    padded_tokens: float
+    exec_s: float
+
+    @property
+    def mean_batch(self) -> float:
+        """Requests per batch."""
+        return self.requests / self.batches
+
+    @property
+    def mean_padded_len(self) -> float:
+        """Padded tokens per request: the batches' mean padded length."""
+        return self.padded_tokens / self.requests
+
+    @property
+    def mean_exec_s(self) -> float:
+        """Model seconds per batch."""
+        return self.exec_s / self.batches
+
+
+def bucket_totals(stats: Mapping[str, Any]) -> dict[str, BucketWork]:
+    """bucket label -> its cumulative `BucketWork`, read from a `/stats` summary."""
+    return {
+        b["bucket"]: BucketWork(
+            float(b["batches"]),
+            float(b["requests"]),
+            float(b["padded_tokens"]),
+            float(b["batches"]) * float(b["mean_exec_ms"]) / 1000.0,
+        )
+        for b in stats.get("per_bucket", [])
+    }
+
+
+def bucket_work(
+    before: Mapping[str, BucketWork], after: Mapping[str, BucketWork]
+) -> dict[str, BucketWork]:
+    """What each bucket ran between two `bucket_totals` readings; buckets that ran no batch
+    (or no request) in between are left out."""
+    out = {}
+    for bucket, a in after.items():
+        b = before.get(bucket, BucketWork(0.0, 0.0, 0.0, 0.0))
+        d = BucketWork(
+            a.batches - b.batches,
+            a.requests - b.requests,
+            a.padded_tokens - b.padded_tokens,
+            a.exec_s - b.exec_s,
+        )
+        if d.batches > 0 and d.requests > 0:
+            out[bucket] = d
+    return out
