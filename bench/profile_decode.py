@@ -38,9 +38,10 @@ import torch
 
 import lenbatch.generate.core as core_mod
 from lenbatch.core.request import Request
-from lenbatch.generate.sampling import SamplingParams, TextTracker
+from lenbatch.generate.sampling import TextTracker
 from lenbatch.generate.sequence import Sequence, Timings
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
+from lenbatch.serving.messages import SamplingParams
 
 TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "

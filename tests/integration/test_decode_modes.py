@@ -130,7 +130,7 @@ async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) ->
         await engine.stop()
     assert isinstance(out[2], ModelFailed)
     assert [len(o) for i, o in enumerate(out) if i != 2] == [4, 4, 4]
-    assert not engine._open
+    assert not engine.unanswered
     assert engine.queues.inflight_total == 0
 
 
@@ -203,4 +203,4 @@ async def test_a_failure_while_sampling_first_tokens_fails_that_prompt_alone(
     assert isinstance(out[1], ModelFailed)
     assert [len(o) for i, o in enumerate(out) if i != 1] == [3, 3, 3]
     assert [len(o) for o in after] == [3]
-    assert not engine._open
+    assert not engine.unanswered

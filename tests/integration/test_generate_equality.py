@@ -159,7 +159,7 @@ async def test_prefill_out_of_memory_splits_and_retries_losing_nothing(
     assert faulty.faults["prefill_oom"] >= 2
     assert max(r * c for r, c in faulty.calls if c > 1) <= limit
     assert engine.lm.stats()["out_of_memory"]["prefill"] == faulty.faults["prefill_oom"]
-    assert not engine._open
+    assert not engine.unanswered
 
 
 async def test_decode_out_of_memory_hands_rows_back_to_prefill_losing_nothing(
@@ -177,7 +177,7 @@ async def test_decode_out_of_memory_hands_rows_back_to_prefill_losing_nothing(
     assert faulty.faults["decode_oom"] >= 1
     assert engine.core.preempted >= 1
     assert max(r for r, c in faulty.calls if c == 1) <= 2  # steps that ran fit the limit
-    assert not engine._open
+    assert not engine.unanswered
 
 
 async def test_a_prompt_that_runs_out_of_memory_alone_gets_503(llama_runner: Any) -> None:
@@ -202,4 +202,4 @@ async def test_a_prompt_that_runs_out_of_memory_alone_gets_503(llama_runner: Any
     finally:
         await engine.stop()
     assert err.value.status == 503
-    assert not engine._open
+    assert not engine.unanswered

@@ -376,6 +376,8 @@ async def test_no_state_is_kept_per_answered_request(
         "*/lenbatch/embed/engine.py",
         "*/lenbatch/embed/batches.py",
         "*/lenbatch/serving/lifecycle.py",
+        "*/lenbatch/serving/engine.py",
+        "*/lenbatch/serving/ledger.py",
         "*/lenbatch/core/request.py",
         "*/lenbatch/core/queues.py",
     )

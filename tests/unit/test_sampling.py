@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lenbatch.generate.sampling import SamplingParams, TextTracker, choose_tokens, make_generator
+from lenbatch.generate.sampling import TextTracker, choose_tokens, make_generator
+from lenbatch.serving.messages import SamplingParams
 
 WORDS = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\ufffd"}
 

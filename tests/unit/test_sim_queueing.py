@@ -10,7 +10,7 @@ import pytest
 import lenbatch.core.scheduler
 import lenbatch.embed.engine
 import lenbatch.plan.sim
-import lenbatch.serving.lifecycle
+import lenbatch.serving.engine
 from lenbatch.config import AdaptiveConfig, BatchingConfig, Strategy
 from lenbatch.core.adaptive import build_state
 from lenbatch.core.admission import Admission
@@ -33,8 +33,8 @@ def test_engine_and_simulator_use_the_same_scheduling_objects() -> None:
     """One scheduler function, one Queues class, one Admission class, shared by both."""
     assert lenbatch.plan.sim.schedule is lenbatch.core.scheduler.schedule
     assert lenbatch.embed.engine.schedule is lenbatch.core.scheduler.schedule
-    assert lenbatch.plan.sim.Queues is lenbatch.serving.lifecycle.Queues  # the engines' base
-    assert lenbatch.plan.sim.Admission is lenbatch.serving.lifecycle.Admission
+    assert lenbatch.plan.sim.Queues is lenbatch.serving.engine.Queues  # the engines' base
+    assert lenbatch.plan.sim.Admission is lenbatch.serving.engine.Admission
     assert lenbatch.plan.sim.build_state is lenbatch.embed.engine.build_state  # adaptive's
 
 

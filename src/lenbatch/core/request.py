@@ -30,9 +30,10 @@ def new_request_id() -> str:
 class RequestStatus(StrEnum):
     """Where a request ended up; one of these per admitted request."""
 
-    OK = "ok"
-    ERROR = "error"  # the model failed on it
+    OK = "ok"  # answered
+    ERROR = "error"  # failed: the model failed on it, or the runner is gone
     EXPIRED = "expired"  # its deadline passed before it ran
+    SHED = "shed"  # refused after admission: predicted to miss its deadline (`adaptive`)
     CANCELLED = "cancelled"  # the client went away
     REJECTED = "rejected"  # never admitted (limits)
 

@@ -1,4 +1,4 @@
-"""Embeddings: the `Engine` (admit, schedule, collate, run, answer), its `Ledger` of answers,
+"""Embeddings: the `Engine` (admit, schedule, collate, run, answer through the ledger),
 the OpenAI embeddings protocol and the routes that serve it."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The embeddings API: `POST /v1/embeddings` (OpenAI-compatible), `GET /v1/models`, `/health`,
-`/metrics` (Prometheus) and `/stats` (JSON summary) over an embedding `Engine`.
+`/metrics` (Prometheus) and `/stats` (JSON summary) over an `EmbeddingService` (the single
+server's `Engine`, or the Ray ingress's front-end).
 
 The routes only validate the body's shape and call the engine; the app shell (guard, error
 shape, validation messages, draining server) is `lenbatch.serving.http`.
@@ -15,9 +16,9 @@ from fastapi.responses import Response
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
-from lenbatch.embed.engine import Engine
 from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
 from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
+from lenbatch.serving.services import EmbeddingService
 
 __all__ = ["create_app", "serve"]
 
@@ -34,7 +35,7 @@ _TIMEOUT_DOC = (
 )
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+def create_app(engine: EmbeddingService, settings: Settings | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
@@ -98,6 +99,6 @@ def _inputs(
     return raw
 
 
-def serve(engine: Engine, settings: Settings) -> None:
+def serve(engine: EmbeddingService, settings: Settings) -> None:
     """Serve `engine` over HTTP until SIGTERM or Ctrl-C, then drain and exit."""
     serve_app(create_app(engine, settings), engine, settings)

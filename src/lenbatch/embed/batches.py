@@ -33,9 +33,10 @@ from lenbatch.core.collate import Collated, Packed, collate, pack
 from lenbatch.core.errors import ModelFailed, OutOfMemory, RunnerCrashed, is_out_of_memory
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch
-from lenbatch.embed.ledger import Ticket
 from lenbatch.runners.base import PackedEmbeddingRunner
+from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.lifecycle import EngineState
+from lenbatch.serving.messages import Vector
 
 if TYPE_CHECKING:
     from lenbatch.embed.engine import Engine
@@ -70,7 +71,7 @@ class BatchRunner:
             async with self.slots:
                 if e.state is EngineState.FAILED:
                     for r in batch.requests:
-                        e.ledger.fail(r, e.refusal())
+                        e.ledger.fail(r.handle, e.refusal())
                     return
                 now = e.clock.now()
                 live = []
@@ -78,7 +79,7 @@ class BatchRunner:
                     if r.handle.finished:
                         continue  # cancelled or expired while waiting: costs nothing
                     if r.deadline is not None and r.deadline <= now:
-                        e.ledger.fail(r, e.expired_error(r))
+                        e.ledger.expire(r.handle)
                         continue
                     live.append(r)
                 if not live:
@@ -89,9 +90,9 @@ class BatchRunner:
         except Exception:  # a bug above the runner: never leave a request hanging
             log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
             for r in batch.requests:
-                e.ledger.fail(r, ModelFailed("internal error while running this batch"))
+                e.ledger.fail(r.handle, ModelFailed("internal error while running this batch"))
 
-    def collate(self, requests: Sequence[Request[Ticket]], pad_to: int | None) -> Prepared:
+    def collate(self, requests: Sequence[Request[Ticket[Vector]]], pad_to: int | None) -> Prepared:
         """The batch of `requests` as the runner takes it: packed if it runs padding-free
         (then a lane's fixed length means nothing: a packed batch computes its real tokens
         only), else padded (to `pad_to` if the lane fixes a length)."""
@@ -119,19 +120,19 @@ class BatchRunner:
         return self.engine.runner.embed(batch)
 
     async def _execute(
-        self, lane: int, live: list[Request[Ticket]], batch: Prepared, pad_to: int | None
+        self, lane: int, live: list[Request[Ticket[Vector]]], batch: Prepared, pad_to: int | None
     ) -> None:
         e = self.engine
         loop = asyncio.get_running_loop()
         start = e.clock.now()
         for r in live:
-            r.handle.started = start
+            e.ledger.start(r.handle, start)
         running = loop.run_in_executor(self.executor, self._model_call, batch)
         limit = e.recovery.batch_timeout_s
         if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
             e.crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
             for r in live:
-                e.ledger.fail(r, e.refusal())
+                e.ledger.fail(r.handle, e.refusal())
             return
         try:
             out = await running
@@ -164,14 +165,14 @@ class BatchRunner:
         )
         for r, vec in zip(live, out, strict=True):
             r.handle.exec_s = exec_s
-            e.ledger.answer(r, vec)
+            e.ledger.answer(r.handle, vec)
 
     # ------------------------------------------------------------------ when the model fails
 
     async def _on_batch_error(
         self,
         lane: int,
-        live: list[Request[Ticket]],
+        live: list[Request[Ticket[Vector]]],
         batch: Prepared,
         pad_to: int | None,
         exc: BaseException,
@@ -185,7 +186,7 @@ class BatchRunner:
         if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
             e.crash(lane, f"the runner raised {kind}")
             for r in live:
-                e.ledger.fail(r, e.refusal())
+                e.ledger.fail(r.handle, e.refusal())
             return
         width = batch.width
         if is_out_of_memory(exc):
@@ -199,7 +200,7 @@ class BatchRunner:
                     f"out of memory running this input alone ({r.length} tokens, padded to "
                     f"{width}); retry later or send a shorter input"
                 )
-                e.ledger.fail(r, OutOfMemory(msg, retry_after=max(1.0, e.caps.cooldown_s)))
+                e.ledger.fail(r.handle, OutOfMemory(msg, retry_after=max(1.0, e.caps.cooldown_s)))
                 return
             log.warning(
                 "out of memory on a batch of %d x %d tokens (%s): splitting; bucket %s capped "
@@ -222,14 +223,14 @@ class BatchRunner:
                         "known-good probe input failed too",
                     )
                     for r in live:
-                        e.ledger.fail(r, e.refusal())
+                        e.ledger.fail(r.handle, e.refusal())
                     return
                 self.failures_in_row = 0
             if len(live) == 1:
                 r = live[0]
                 log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
                 msg = f"the model failed on this input ({kind}); other inputs are unaffected"
-                e.ledger.fail(r, ModelFailed(msg))
+                e.ledger.fail(r.handle, ModelFailed(msg))
                 return
             log.warning("batch of %d failed (%s); bisecting", len(live), kind)
         mid = len(live) // 2
@@ -239,7 +240,7 @@ class BatchRunner:
                 continue
             if e.state is EngineState.FAILED:
                 for r in half:
-                    e.ledger.fail(r, e.refusal())
+                    e.ledger.fail(r.handle, e.refusal())
                 continue
             await self._execute(lane, half, self.collate(half, pad_to), pad_to)
 

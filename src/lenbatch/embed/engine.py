@@ -23,11 +23,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from lenbatch.config import (
     AdaptiveConfig,
@@ -50,10 +46,12 @@ from lenbatch.core.request import Request
 from lenbatch.core.scheduler import Batch, schedule
 from lenbatch.embed.batches import BatchRunner
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
-from lenbatch.embed.ledger import Ledger, Ticket
 from lenbatch.runners.base import EmbeddingRunner
+from lenbatch.serving.engine import BaseEngine
+from lenbatch.serving.ledger import FutureReply, Ticket
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.lifecycle import BaseEngine, EngineState
+from lenbatch.serving.lifecycle import EngineState
+from lenbatch.serving.messages import Embedded, Vector
 
 __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
@@ -61,19 +59,8 @@ log = logging.getLogger("lenbatch.embed.engine")
 
 _TOKENIZE_THREADS = 2  # one long input tokenizing leaves a thread for everyone else
 
-Vector = npt.NDArray[np.float32]
-# Texts, or token-id arrays (the model's own ids, used as given).
 
-
-@dataclass(frozen=True, slots=True)
-class Embedded:
-    """The answer to one call: a vector per input, in order, and the tokens they took."""
-
-    vectors: list[Vector]
-    prompt_tokens: int  # after truncation
-
-
-class Engine(BaseEngine):
+class Engine(BaseEngine[Vector]):
     """Length-aware dynamic batching in front of an `EmbeddingRunner`."""
 
     def __init__(
@@ -103,10 +90,10 @@ class Engine(BaseEngine):
             metrics_label=lanes.cfg.strategy.value,
             workers=self.batching.max_concurrent_batches,
             name="lenbatch-runner",
+            length_log=length_log,
         )
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
-        self.ledger = Ledger(self.clock, self.metrics, self.lane_labels, length_log)
         self.batches = BatchRunner(self, self._executor, self.batching.max_concurrent_batches)
         # Tokenization runs here, never on the event loop: HF fast tokenizers release the GIL,
         # so a huge input tokenizing in one thread holds up neither the loop nor a small
@@ -140,30 +127,16 @@ class Engine(BaseEngine):
 
     # ------------------------------------------------------------------ lifecycle hooks
 
-    @property
-    def unanswered(self) -> int:
-        """Admitted requests not answered yet (queued, prepared or running)."""
-        return self.ledger.unanswered
-
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every admitted request has been answered; False if `timeout` seconds
-        passed first."""
-        return await self.ledger.wait_idle(timeout)
-
     def _on_drain(self) -> None:
         if self.adaptive is not None:
             self.adaptive.draining = True  # nobody will join partial batches any more
         self.apply_caps()
 
-    def _abandon(self, err: LenbatchError) -> None:
-        for r in self.ledger.live():
-            self.ledger.fail(r, err)
-
-    def _on_stop(self) -> None:
+    def _release(self) -> None:
         for task in list(self._batch_tasks):
             task.cancel()  # their requests are all answered by now
         self._tokenize_pool.shutdown(wait=False)
-        self.ledger.close()
+        super()._release()
 
     def refresh_memory(self) -> None:
         """Weights apart from peak activations, read from the runner into the metrics."""
@@ -272,13 +245,13 @@ class Engine(BaseEngine):
                 self.metrics.record_rejection(shed.code)
                 self.metrics.record_shed("admission")
                 raise shed
-        requests = []
+        requests: list[Request[Ticket[Vector]]] = []
         for x in seqs:
-            ticket = Ticket(loop.create_future())
-            r = Request(len(x), now, x, deadline=deadline, priority=priority, handle=ticket)
+            r: Request[Ticket[Vector]] = Request(
+                len(x), now, x, deadline=deadline, priority=priority
+            )
+            r.handle = Ticket(r, FutureReply(loop.create_future()))
             r.due = due
-            if timeout is not None:
-                ticket.timer = loop.call_later(timeout, self._on_deadline, r)
             lane = self.queues.push(r)
             if ad is not None:
                 ad.on_arrival(lane, r.length, now)
@@ -286,10 +259,10 @@ class Engine(BaseEngine):
                 self.refitter.observe(r.length)
             requests.append(r)
         self.metrics.record_priority(priority, len(requests))
-        self.ledger.admit(requests)
+        self.ledger.admit(r.handle for r in requests)
         self._kick()
         try:
-            vectors = list(await asyncio.gather(*(r.handle.future for r in requests)))
+            vectors = list(await asyncio.gather(*(_future(r) for r in requests)))
             return Embedded(vectors, sum(len(x) for x in seqs))
         except LenbatchError as err:
             culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)
@@ -301,8 +274,7 @@ class Engine(BaseEngine):
         finally:
             # On error or cancellation: nobody wants the siblings any more.
             for r in requests:
-                if not r.handle.finished:
-                    self._cancel(r)
+                self.ledger.cancel(r.handle)
 
     # ------------------------------------------------------------------ the loop
 
@@ -325,11 +297,11 @@ class Engine(BaseEngine):
                 self._maybe_refit(now)
             decision = schedule(self.queues, now, self.cfg, self.adaptive)
             for r in decision.expired:
-                self.ledger.fail(r, self.expired_error(r))
+                self.ledger.expire(r.handle)
             if self.adaptive is not None:
                 for r in decision.shed:
                     self.metrics.record_shed("queue")
-                    self.ledger.fail(r, self.adaptive.shed_error(r, now))
+                    self.ledger.shed(r.handle, self.adaptive.shed_error(r, now))
                 for src, dst in decision.merges:
                     self.metrics.record_merge(src, dst)
             for batch in decision.batches:
@@ -399,32 +371,22 @@ class Engine(BaseEngine):
     def crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""
         self.metrics.record_failure(lane, "crash")
-        if not self._fail_runner(reason):
+        if not self._declare_failed(reason):
             return
         waiting = self.queues.drain()
         log.error("runner crashed: %s; answering %d queued requests with 503", reason, len(waiting))
         err = self.refusal()
         for r in waiting:
-            self.ledger.fail(r, err)
-        self._kick()
-
-    # ------------------------------------------------------------------ answering
-
-    def _cancel(self, r: Request[Ticket]) -> None:
-        self.queues.remove(r)
-        if self.ledger.cancel(r):
-            self._kick()
-
-    def _on_deadline(self, r: Request[Ticket]) -> None:
-        t: Ticket = r.handle
-        t.timer = None
-        if t.finished or t.started is not None:
-            return  # answered, or already running: let it finish
-        self.queues.remove(r)
-        self.ledger.fail(r, self.expired_error(r))
+            self.ledger.fail(r.handle, err)
         self._kick()
 
 
-def _failed_with(r: Request[Ticket], err: BaseException) -> bool:
-    fut: asyncio.Future[Vector] = r.handle.future
+def _future(r: Request[Ticket[Vector]]) -> asyncio.Future[Vector]:
+    reply = r.handle.reply
+    assert isinstance(reply, FutureReply)
+    return reply.future
+
+
+def _failed_with(r: Request[Ticket[Vector]], err: BaseException) -> bool:
+    fut = _future(r)
     return fut.done() and not fut.cancelled() and fut.exception() is err

@@ -8,14 +8,13 @@ decode batch); `policy` the two decode modes; `kvcache` the right-aligned KV-cac
 
 from __future__ import annotations
 
-from lenbatch.generate.engine import GenerationEngine, GenState
-from lenbatch.generate.sampling import SamplingParams
-from lenbatch.generate.sequence import STAGES, Delta, Sequence, Timings
+from lenbatch.generate.engine import GenerationEngine
+from lenbatch.generate.sequence import STAGES, Sequence, Timings
+from lenbatch.serving.messages import Delta, SamplingParams
 
 __all__ = [
     "STAGES",
     "Delta",
-    "GenState",
     "GenerationEngine",
     "SamplingParams",
     "Sequence",

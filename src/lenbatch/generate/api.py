@@ -1,4 +1,5 @@
-"""The HTTP layer for causal LMs: OpenAI-compatible completions over a `GenerationEngine`.
+"""The HTTP layer for causal LMs: OpenAI-compatible completions over a `GenerationService`
+(the single server's `GenerationEngine`, or the Ray ingress's front-end).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (when the tokenizer has a chat
 template), both with `stream: true` as server-sent events; `GET /v1/models`, `GET /health`,
@@ -23,7 +24,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput, LenbatchError
-from lenbatch.generate.engine import GenerationEngine
 from lenbatch.generate.protocol import (
     ChatRequest,
     CommonOptions,
@@ -32,9 +32,9 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
-from lenbatch.generate.sequence import Delta
-from lenbatch.generate.sequence import Sequence as GenSequence
 from lenbatch.serving.http import check_model, engine_app, error_response, unless_disconnected
+from lenbatch.serving.messages import Delta
+from lenbatch.serving.services import GenerationHandle, GenerationService
 
 __all__ = ["create_llm_app"]
 
@@ -51,7 +51,7 @@ _Timeout = Annotated[
 ]
 
 
-def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -> FastAPI:
+def create_llm_app(engine: GenerationService[Any], settings: Settings | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; starts and drains it with the app's lifespan."""
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
@@ -69,7 +69,7 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         why = body.unsupported()
         if why is not None:
             raise BadInput(why)
-        prompts = engine.prompt_ids(body.prompt)
+        prompts = await engine.prompt_ids(body.prompt)
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
         params = body.sampling(body.max_tokens or default)
@@ -86,7 +86,7 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
         if (why := body.unsupported()) is not None:
             raise BadInput(why)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = engine.chat_prompt(messages)
+        prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling(requested or engine.context_left(len(prompt)))
         seqs = engine.submit_all([prompt], params, arrival=arrival, timeout=x_request_timeout)
@@ -96,7 +96,7 @@ def create_llm_app(engine: GenerationEngine, settings: Settings | None = None) -
 
 
 async def _merged(
-    engine: GenerationEngine, seqs: Sequence[GenSequence]
+    engine: GenerationService[Any], seqs: Sequence[GenerationHandle]
 ) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every sequence as they arrive."""
     if len(seqs) == 1:
@@ -105,7 +105,7 @@ async def _merged(
         return
     out: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
 
-    async def pump(i: int, s: GenSequence) -> None:
+    async def pump(i: int, s: GenerationHandle) -> None:
         try:
             async for d in engine.stream(s):
                 out.put_nowait((i, d))
@@ -134,14 +134,14 @@ async def _merged(
 
 async def _respond(
     request: Request,
-    engine: GenerationEngine,
-    seqs: list[GenSequence],
+    engine: GenerationService[Any],
+    seqs: list[GenerationHandle],
     body: CommonOptions,
     served: str,
     *,
     chat: bool,
 ) -> Response:
-    rid = ("chatcmpl-" if chat else "cmpl-") + seqs[0].request.id
+    rid = ("chatcmpl-" if chat else "cmpl-") + seqs[0].request_id
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -167,13 +167,13 @@ async def _respond(
         "model": served,
         "choices": choices,
         "usage": usage(seqs),
-        "lenbatch": {"timings": [s.timings.summary_ms() for s in seqs]},
+        "lenbatch": {"timings": [s.timings_ms() for s in seqs]},
     }
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
 async def _collect(
-    engine: GenerationEngine, seqs: list[GenSequence]
+    engine: GenerationService[Any], seqs: list[GenerationHandle]
 ) -> tuple[list[str], list[str | None]]:
     texts = [""] * len(seqs)
     reasons: list[str | None] = [None] * len(seqs)
@@ -185,8 +185,8 @@ async def _collect(
 
 
 async def _sse(
-    engine: GenerationEngine,
-    seqs: list[GenSequence],
+    engine: GenerationService[Any],
+    seqs: list[GenerationHandle],
     rid: str,
     created: int,
     served: str,
@@ -209,7 +209,7 @@ async def _sse(
             line = chunk(rid, created, served, chat, [choice])
             if d.finish_reason is not None:
                 obj = json.loads(line[6:])
-                obj["lenbatch"] = {"index": i, "timings": seqs[i].timings.summary_ms()}
+                obj["lenbatch"] = {"index": i, "timings": seqs[i].timings_ms()}
                 line = obj_line(obj)
             yield line
         if include_usage:

@@ -24,9 +24,10 @@ import torch
 from lenbatch.core.collate import Collated, collate
 from lenbatch.generate.kvcache import KVBatch, cache_bytes
 from lenbatch.generate.sampling import choose_tokens, mask_eos
-from lenbatch.generate.sequence import Delta, Sequence
+from lenbatch.generate.sequence import Sequence
 from lenbatch.generate.static import StaticRunner
 from lenbatch.runners.base import CausalRunner
+from lenbatch.serving.messages import Delta
 
 __all__ = ["MIN_OOM_CHUNK", "DecodeCore", "PrefillJob", "UnitResult"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,8 +23,6 @@ from typing import Any
 from lenbatch.config import AdmissionConfig, BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.clock import Clock
 from lenbatch.core.errors import (
-    BadInput,
-    DeadlineExceeded,
     InputTooLong,
     LenbatchError,
     ModelFailed,
@@ -33,29 +30,58 @@ from lenbatch.core.errors import (
     is_out_of_memory,
 )
 from lenbatch.core.lanes import resolve_lanes
-from lenbatch.core.request import Request, RequestStatus
+from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
 from lenbatch.generate.core import DecodeCore, UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import Unit, make_policy
-from lenbatch.generate.sampling import SamplingParams, TextTracker
-from lenbatch.generate.sequence import Delta, Sequence, Timings
+from lenbatch.generate.prompts import Prompts
+from lenbatch.generate.sampling import TextTracker
+from lenbatch.generate.sequence import Sequence, Timings
 from lenbatch.generate.static import make_static
 from lenbatch.runners.base import CausalRunner
+from lenbatch.serving.engine import BaseEngine
+from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.lifecycle import BaseEngine, EngineState, wait_set
+from lenbatch.serving.messages import Delta, SamplingParams
 
-__all__ = ["GenState", "GenerationEngine"]
+__all__ = ["GenerationEngine", "StreamReply"]
 
 log = logging.getLogger("lenbatch.generate")
 
 
-# The generation engine's states are the shared ones (it has no FAILED of its own: a failing
-# unit fails its sequences, not the engine).
-GenState = EngineState
+class StreamReply:
+    """A `Reply` through a sequence's event queue: the stream reads deltas, then its ending.
+
+    Only the last delta goes through the ledger (`answer`); the ones before it are put on the
+    queue directly while the request is open. An error or a cancellation also takes the
+    sequence out of the running batch at the next step."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+    def give(self, value: Delta) -> None:
+        """The last delta."""
+        self.seq.sink.put_nowait(value)
+
+    def refuse(self, err: LenbatchError) -> None:
+        """The stream raises `err`; the sequence leaves its batch."""
+        self.seq.cancelled = True
+        self.seq.sink.put_nowait(err)
+
+    def withdraw(self) -> None:
+        """The caller left: the sequence leaves its batch."""
+        self.seq.cancelled = True
+
+    @property
+    def abandoned(self) -> bool:
+        """Never on its own: a caller that leaves the stream cancels through the engine."""
+        return False
 
 
-class GenerationEngine(BaseEngine):
+class GenerationEngine(BaseEngine[Delta]):
     """Length-bucketed admission and static or continuous decoding in front of a causal LM."""
 
     _join_workers_on_stop = True  # a unit may still be running on the model
@@ -75,7 +101,6 @@ class GenerationEngine(BaseEngine):
         self.info = runner.info
         self.batching = batching or BatchingConfig()
         self.generation = generation or GenerationConfig()
-        self.length_log = length_log
         # A prompt leaves room for at least one generated token.
         self.prompt_limit = self.info.max_length - 1
         lanes = resolve_lanes(self.batching, self.prompt_limit)
@@ -89,8 +114,10 @@ class GenerationEngine(BaseEngine):
             metrics_label=f"{lanes.cfg.strategy.value}+{self.mode}",
             workers=1,
             name="lenbatch-decode",
+            length_log=length_log,
         )
         self.policy = make_policy(self.generation, self.batching.max_batch)
+        self.prompts = Prompts(runner, self.info, self.generation)
         self.lm = LMMetrics()
         # Static shapes follow `generation.compile`; `static_shapes=True` runs them eager (to
         # check or measure the padding alone).
@@ -109,10 +136,6 @@ class GenerationEngine(BaseEngine):
                 compile=self.generation.compile,
             )
         self.core = DecodeCore(runner, self.clock.now, self.policy.release_on_merge, static)
-        self._open: dict[str, Sequence] = {}  # admitted, not yet ended
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._wake_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -129,27 +152,14 @@ class GenerationEngine(BaseEngine):
             n = await asyncio.get_running_loop().run_in_executor(self._executor, static.warm_up)
             log.info("compiled %d static shapes in %.1f s", n, time.monotonic() - started)
 
+    def _release(self) -> None:
+        self.prompts.close()
+        super()._release()
+
     def _on_drain(self) -> None:
         # Nobody will join partial batches any more: flush them now.
         lanes = tuple(dataclasses.replace(p, max_wait=0.0) for p in self.cfg.lanes)
         self.cfg = dataclasses.replace(self.cfg, lanes=lanes)
-
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every admitted request has ended; False if `timeout` seconds passed."""
-        return await wait_set(self._idle, timeout)
-
-    def _abandon(self, err: LenbatchError) -> None:
-        for seq in list(self._open.values()):
-            self._fail(seq, err)
-
-    def _on_stop(self) -> None:
-        if self.length_log is not None:
-            self.length_log.close()
-
-    @property
-    def unanswered(self) -> int:
-        """Admitted requests that have not ended yet (queued, prefilling or decoding)."""
-        return len(self._open)
 
     def describe(self) -> str:
         """One line for the start-up log: strategy, decode mode and lanes."""
@@ -168,66 +178,26 @@ class GenerationEngine(BaseEngine):
 
     # ------------------------------------------------------------------ submitting
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each prompt (the caller drops the text afterwards)."""
-        return self.runner.tokenize(texts, False)
-
-    def prompt_ids(self, raw: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        """Token ids of a call's prompts: texts tokenized here (then dropped), token arrays
-        as given (`submit` checks them against the vocabulary)."""
-        if isinstance(raw, str):
-            raw = [raw]
-        if not raw:
-            raise BadInput("prompt is empty: give a string, a list of strings or token ids")
-        if isinstance(raw[0], int):
-            raw = [raw]  # one token array
-        if isinstance(raw[0], str):
-            texts: list[str] = raw
-            if any(not t for t in texts):
-                raise BadInput("a prompt is an empty string")
-            return self.tokenize(texts)
-        ids: list[list[int]] = raw
-        return ids
+    async def prompt_ids(
+        self, raw: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        """Token ids of a call's prompts: texts tokenized in a worker thread (then dropped),
+        token arrays as given (`submit` checks them against the vocabulary)."""
+        return await self.prompts.ids(raw)
 
     @property
     def has_chat_template(self) -> bool:
         """True if the tokenizer can format chat messages."""
-        return bool(getattr(self.runner, "has_chat_template", False))
+        return self.prompts.has_chat_template
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat `messages` through the tokenizer's chat template."""
-        if not self.has_chat_template:
-            raise BadInput(f"model {self.info.name} has no chat template; use /v1/completions")
-        ids: list[int] = self.runner.chat_prompt(messages)  # type: ignore[attr-defined]
-        return ids
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` through the tokenizer's chat template, in a worker
+        thread."""
+        return await self.prompts.chat(messages)
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
-        left = self.info.max_length - prompt_len
-        cap = self.generation.max_tokens_limit
-        return max(1, min(left, cap) if cap is not None else left)
-
-    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """Refuse a prompt the model cannot take, before any admission: empty, token ids out of
-        the vocabulary, `max_tokens` over this server's limit (`BadInput`), or prompt plus
-        `max_tokens` over the context (`InputTooLong`). The Ray ingress calls it too, so a bad
-        prompt gets its status before a stream starts."""
-        if not prompt:
-            raise BadInput("the prompt is empty (0 tokens)")
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.info.vocab_size:
-            raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
-        limit = self.generation.max_tokens_limit
-        if limit is not None and params.max_tokens > limit:
-            raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
-        context = self.info.max_length
-        if len(prompt) + params.max_tokens > context:
-            err = InputTooLong(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
-                f"together they exceed the model's context of {context} tokens"
-            )
-            self.metrics.record_rejection(err.code)
-            raise err
+        return self.prompts.context_left(prompt_len)
 
     def submit_all(
         self,
@@ -265,9 +235,12 @@ class GenerationEngine(BaseEngine):
         `arrival` is when the caller received the request (before tokenizing), for the TTFT
         breakdown. Raises a `LenbatchError` when the request cannot be admitted.
         """
-        if self.state is not EngineState.RUNNING:
-            raise self.refusal()
-        self.check_prompt(prompt, params)
+        self.check_running()
+        try:
+            self.prompts.check(prompt, params)
+        except InputTooLong as err:
+            self.metrics.record_rejection(err.code)
+            raise
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
         if refusal is not None:
@@ -286,12 +259,9 @@ class GenerationEngine(BaseEngine):
         )
         seq.sink = asyncio.Queue()
         request.handle = seq
+        seq.ticket = Ticket(request, StreamReply(seq), arrival=timings.arrival)
         self.queues.push(request)
-        self._open[request.id] = seq
-        self._idle.clear()
-        if timeout is not None:
-            loop = asyncio.get_running_loop()
-            self._timers[request.id] = loop.call_later(timeout, self._on_deadline, seq)
+        self.ledger.admit([seq.ticket])
         self._kick()
         return seq
 
@@ -310,17 +280,12 @@ class GenerationEngine(BaseEngine):
                 if item.finish_reason is not None:
                     return
         finally:
-            if seq.request.id in self._open:
-                self.cancel(seq)
+            self.cancel(seq)
 
     def cancel(self, seq: Sequence) -> None:
         """The caller is gone: leave the queue, or leave the batch at the next step."""
-        if seq.request.id not in self._open:
-            return
-        self.queues.remove(seq.request)
-        seq.cancelled = True
-        self._close(seq, RequestStatus.CANCELLED)
-        self._kick()
+        if seq.ticket is not None:
+            self.ledger.cancel(seq.ticket)
 
     # ------------------------------------------------------------------ the loop
 
@@ -361,11 +326,12 @@ class GenerationEngine(BaseEngine):
         now = self.clock.now()
         decision = schedule(self.queues, now, cfg)
         for r in decision.expired:
-            self._fail(r.handle, self.expired_error(r))
+            self.ledger.expire(_ticket(r.handle))
         for batch in decision.batches:
             seqs = [r.handle for r in batch.requests]
             for s in seqs:
                 s.timings.admitted = now
+                self.ledger.start(_ticket(s), now)
             self.core.add_job(batch.lane, seqs, cfg.lanes[batch.lane].pad_to)
         self._wake_at = decision.wake_at
         self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
@@ -381,7 +347,8 @@ class GenerationEngine(BaseEngine):
         """Event loop: hand new tokens to their streams, end finished sequences, record."""
         now = self.clock.now()
         for seq, delta in result.deltas:
-            if seq.request.id not in self._open:
+            ticket = _ticket(seq)
+            if ticket.finished:
                 continue  # cancelled while the unit ran
             t = seq.timings
             gaps = []
@@ -392,11 +359,12 @@ class GenerationEngine(BaseEngine):
                 gaps.append(now - t.token_times[-1])
             t.token_times.append(now)
             self.lm.record_tokens(len(delta.token_ids), gaps)
-            seq.sink.put_nowait(delta)
-            if delta.finish_reason is not None:
+            if delta.finish_reason is None:
+                seq.sink.put_nowait(delta)
+            else:
                 t.finished = now
                 self.lm.record_finished(t.finished - t.arrival, seq.prompt_tokens)
-                self._close(seq, RequestStatus.OK)
+                self.ledger.answer(ticket, delta)
         for lane in result.released_lanes:
             self.queues.batch_done(lane)
         self.lm.record_step(
@@ -404,6 +372,8 @@ class GenerationEngine(BaseEngine):
         )
         job = result.job
         if result.finished_job and job is not None:
+            for s in job.seqs:
+                _ticket(s).exec_s = s.timings.prefill_compute or None
             b = job.batch
             self.metrics.record_batch(
                 job.lane,
@@ -471,41 +441,10 @@ class GenerationEngine(BaseEngine):
             self.queues.batch_done(lane)
 
     def _fail(self, seq: Sequence, err: LenbatchError) -> None:
-        if seq.request.id not in self._open:
-            return
-        seq.cancelled = True  # leaves the batch at the next step if it is in one
-        seq.sink.put_nowait(err)
-        status = RequestStatus.EXPIRED if isinstance(err, DeadlineExceeded) else RequestStatus.ERROR
-        self._close(seq, status)
+        self.ledger.fail(_ticket(seq), err)
 
-    def _close(self, seq: Sequence, status: RequestStatus) -> None:
-        """The one place a request ends: exactly once per admitted request."""
-        r = seq.request
-        if self._open.pop(r.id, None) is None:
-            return
-        if not self._open:
-            self._idle.set()
-        timer = self._timers.pop(r.id, None)
-        if timer is not None:
-            timer.cancel()
-        now = self.clock.now()
-        self.metrics.record_request(r.lane, now - seq.timings.arrival, status.value)
-        if self.length_log is not None:
-            t = seq.timings
-            self.length_log.write(
-                id=r.id,
-                arrival=time.time() - (now - t.arrival),
-                length=r.length,
-                bucket=self.lane_labels[r.lane] if r.lane >= 0 else "none",
-                queue_wait_ms=None if math.isnan(t.admitted) else (t.admitted - t.queued) * 1000,
-                exec_ms=t.prefill_compute * 1000 if t.prefill_compute else None,
-                status=status.value,
-            )
 
-    def _on_deadline(self, seq: Sequence) -> None:
-        self._timers.pop(seq.request.id, None)
-        if seq.request.id not in self._open or not math.isnan(seq.timings.admitted):
-            return  # answered, or already admitted: let it finish
-        self.queues.remove(seq.request)
-        self._fail(seq, self.expired_error(seq.request))
-        self._kick()
+def _ticket(seq: Sequence) -> Ticket[Delta]:
+    if seq.ticket is None:
+        raise RuntimeError(f"bug: sequence of request {seq.request.id} was never admitted")
+    return seq.ticket

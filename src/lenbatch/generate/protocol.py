@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from lenbatch.core.errors import BadInput
-from lenbatch.generate.sampling import SamplingParams
-from lenbatch.generate.sequence import Sequence as GenSequence
+from lenbatch.serving.messages import SamplingParams
+from lenbatch.serving.services import GenerationHandle
 
 __all__ = [
     "MAX_STOP",
@@ -160,10 +160,10 @@ class ChatRequest(CommonOptions):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-def usage(seqs: Sequence[GenSequence]) -> dict[str, int]:
+def usage(seqs: Sequence[GenerationHandle]) -> dict[str, int]:
     """OpenAI usage counts of a call's sequences (every generated token counts)."""
     prompt = sum(s.prompt_tokens for s in seqs)
-    completion = sum(len(s.generated) for s in seqs)
+    completion = sum(s.completion_tokens for s in seqs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -1,64 +1,22 @@
 """Choosing the next token, and turning generated tokens into text with stop strings.
 
-`SamplingParams` are a request's decoding options (OpenAI's names). `choose_tokens` picks one
-token per batch row: greedy rows take the argmax, sampled rows draw from their own seeded
-`torch.Generator`, so a request samples the same tokens whether it runs alone or in a batch.
-`TextTracker` detokenizes incrementally and finds stop strings, holding back text that might
-be the start of one so a stream never shows text that a later stop would cut.
+A request's decoding options are its `SamplingParams` (`lenbatch.serving.messages`).
+`choose_tokens` picks one token per batch row: greedy rows take the argmax, sampled rows draw
+from their own seeded `torch.Generator`, so a request samples the same tokens whether it runs
+alone or in a batch. `TextTracker` detokenizes incrementally and finds stop strings, holding
+back text that might be the start of one so a stream never shows text that a later stop would
+cut.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "TextTracker", "choose_tokens", "make_generator", "mask_eos"]
+from lenbatch.serving.messages import SamplingParams
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Decoding options of one request.
-
-    `temperature == 0` means greedy. `top_p` keeps the smallest set of most likely tokens whose
-    probability reaches `top_p`. `seed` makes sampling reproducible. `stop` strings end the text
-    (not included in it). `ignore_eos` keeps generating past end-of-sequence tokens until
-    `max_tokens` (benchmarks replaying a trace's output lengths need it). `min_tokens` keeps
-    end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}"
-            )
-        if not 0 <= self.temperature <= 2:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(
-                f"seed must be an integer in [{-(2**63)}, {2**63 - 1}], got {self.seed}"
-            )
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-
-    @property
-    def greedy(self) -> bool:
-        """True when decoding takes the most likely token."""
-        return self.temperature == 0
+__all__ = ["TextTracker", "choose_tokens", "make_generator", "mask_eos"]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

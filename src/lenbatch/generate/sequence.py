@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from lenbatch.core.request import Request
-from lenbatch.generate.sampling import SamplingParams, TextTracker, make_generator
+from lenbatch.generate.sampling import TextTracker, make_generator
+from lenbatch.serving.ledger import Ticket
+from lenbatch.serving.messages import Delta, SamplingParams
 
-__all__ = ["STAGES", "Delta", "Sequence", "Timings"]
+__all__ = ["STAGES", "Sequence", "Timings"]
 
 # TTFT stages, in pipeline order. Their sum is the time to first token.
 STAGES = ("tokenize", "queue", "schedule", "prefill", "first_token")
@@ -93,16 +95,6 @@ def _ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(1000 * seconds, 3)
 
 
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """What a sequence produced in one engine step: new token ids, new text, and whether it
-    ended (`finish_reason` is `stop` or `length`, else None)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-
-
 class Sequence:
     """A request being generated. Mutated only by the engine (worker thread between steps,
     event loop for delivery), never concurrently."""
@@ -115,6 +107,7 @@ class Sequence:
         "params",
         "request",
         "sink",
+        "ticket",
         "timings",
         "tracker",
     )
@@ -136,11 +129,26 @@ class Sequence:
         self.finish_reason: str | None = None
         self.cancelled = False
         self.sink: Any = None  # the engine's per-request event queue
+        self.ticket: Ticket[Delta] | None = None  # the engine's ledger entry, once admitted
+
+    @property
+    def request_id(self) -> str:
+        """The request's anonymous id."""
+        return self.request.id
 
     @property
     def prompt_tokens(self) -> int:
         """Tokens in the prompt."""
         return self.request.length
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.generated)
+
+    def timings_ms(self) -> dict[str, Any]:
+        """The TTFT breakdown, inter-token and end-to-end times, in milliseconds."""
+        return self.timings.summary_ms()
 
     @property
     def done(self) -> bool:

@@ -98,6 +98,15 @@ class CausalRunner(Protocol):
         """Text of generated ids (special tokens skipped)."""
         ...
 
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        ...
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of chat messages through the tokenizer's chat template."""
+        ...
+
     def new_cache(self) -> Any:
         """An empty KV cache."""
         ...

@@ -24,6 +24,7 @@ import torch
 from lenbatch.runners.base import ModelInfo, RunnerMemory
 from lenbatch.runners.hardware import resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
+from lenbatch.runners.tokenizer import TextTokenizer
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -158,41 +159,27 @@ class CausalLMRunner:
             vocab_size=int(cfg.vocab_size),
             kind="generate",
         )
-        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="tail")
+        self.has_chat_template = self.text.has_chat_template
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def tokenize(self, texts: Sequence[str], truncate: bool = False) -> list[list[int]]:
-        """Token ids of each prompt, with the tokenizer's special tokens (e.g. BOS).
-
-        Prompts are never cut here: `truncate` keeps the *last* `max_length - 1` tokens, so the
-        end of the prompt, which the continuation follows, survives.
-        """
-        enc = self.tokenizer(list(texts), add_special_tokens=True, return_attention_mask=False)
-        out = [list(ids) for ids in enc["input_ids"]]
-        if truncate:
-            keep = self.info.max_length - 1
-            out = [ids[-keep:] if len(ids) > keep else ids for ids in out]
-        return out
+        """Token ids of each prompt, with the tokenizer's special tokens (e.g. BOS). Prompts
+        are never cut here: `truncate` keeps the *last* `max_length - 1` tokens, so the end of
+        the prompt, which the continuation follows, survives (`TextTokenizer`, tail side)."""
+        return self.text.tokenize(texts, truncate)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat rendered with the tokenizer's chat template, ready for the
         assistant's turn. Raises ValueError when the tokenizer has no chat template."""
-        if not self.has_chat_template:
-            raise ValueError(f"model {self.info.name} has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(x) for x in ids]
+        return self.text.chat_prompt(messages)
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, special tokens skipped."""
-        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return text
+        return self.text.decode(ids)
 
     def new_cache(self) -> Any:
         """An empty KV cache for this model."""

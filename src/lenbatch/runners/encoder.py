@@ -22,14 +22,11 @@ from lenbatch.core.collate import Collated
 from lenbatch.runners.base import ModelInfo, RunnerMemory
 from lenbatch.runners.hardware import resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
+from lenbatch.runners.tokenizer import TextTokenizer
 
 __all__ = ["EncoderRunner", "read_pooling"]
 
 log = logging.getLogger("lenbatch.runner")
-
-# Characters per token that a truncating cut leaves room for (English averages about 4): a cut
-# text that still yields fewer tokens than the limit is tokenized whole (exact either way).
-_CHARS_PER_TOKEN_BOUND = 16
 
 # sentence-transformers pooling config key -> our pooling mode, in its order of precedence
 _POOLING_KEYS = {
@@ -115,6 +112,7 @@ class EncoderRunner:
             vocab_size=int(cfg.vocab_size),
             dim=int(cfg.hidden_size),
         )
+        self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="head")
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
@@ -125,47 +123,9 @@ class EncoderRunner:
         return self.precision.dtype
 
     def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """Token ids with special tokens; truncated to the limit only when asked.
-
-        One batch-encode call for all `texts`. When truncating, a text far longer than the
-        limit could need is cut first at a space (`_cut`), so a 1 MB input costs a few KB of
-        tokenizing; a cut text that then falls short of the limit is tokenized whole instead,
-        so the result is always what truncating the whole text gives.
-        """
-        if not truncate:
-            return self._encode(list(texts), False)
-        cuts = [self._cut(t) for t in texts]
-        ids = self._encode(cuts, True)
-        short = [
-            i
-            for i, (t, c) in enumerate(zip(texts, cuts, strict=True))
-            if c is not t and len(ids[i]) < self.info.max_length
-        ]
-        if short:
-            for i, redone in zip(short, self._encode([texts[i] for i in short], True), strict=True):
-                ids[i] = redone
-        return ids
-
-    def _encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
-        enc = self.tokenizer(
-            texts,
-            add_special_tokens=True,
-            truncation=truncate,
-            max_length=self.info.max_length if truncate else None,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-        )
-        return [list(ids) for ids in enc["input_ids"]]
-
-    def _cut(self, text: str) -> str:
-        """`text`, or a prefix of it ending before a space that holds at least as many
-        characters as the limit could take tokens (pre-tokenizers split at spaces, so the
-        prefix's tokens are the whole text's first tokens)."""
-        room = self.info.max_length * _CHARS_PER_TOKEN_BOUND
-        if len(text) <= room:
-            return text
-        space = text.rfind(" ", 0, room)
-        return text[:space] if space > 0 else text
+        """Token ids with special tokens; truncated to the limit (its first tokens kept) only
+        when asked. One batch-encode call for all `texts` (`TextTokenizer`, head side)."""
+        return self.text.tokenize(texts, truncate)
 
     @torch.inference_mode()
     def embed(self, batch: Collated) -> npt.NDArray[np.float32]:

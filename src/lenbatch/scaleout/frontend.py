@@ -34,12 +34,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lenbatch.core.costfit import OnlineCostModel
 from lenbatch.core.errors import LenbatchError, Unavailable, draining
 from lenbatch.core.ranges import LengthRanges, RequestCost
-from lenbatch.embed.engine import Embedded
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.figures import aggregate_replicas, merge_expositions
-from lenbatch.serving.lifecycle import EngineState, wait_set
+from lenbatch.serving.ledger import wait_set
+from lenbatch.serving.lifecycle import EngineState
+from lenbatch.serving.messages import Embedded
 from lenbatch.serving.metrics import BucketWork, bucket_totals, bucket_work, percentile
 
 __all__ = ["FreshFigures", "Frontend", "RelayedError", "is_replica_failure", "own_call_id"]

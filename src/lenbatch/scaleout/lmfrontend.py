@@ -25,10 +25,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lenbatch.generate.engine import GenerationEngine
-from lenbatch.generate.sampling import SamplingParams
-from lenbatch.generate.sequence import Delta
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.frontend import Frontend, RelayedError, is_replica_failure, own_call_id
+from lenbatch.serving.messages import Delta, SamplingParams
 
 __all__ = ["LMFrontend", "RemoteSequence"]
 
@@ -115,18 +114,21 @@ class LMFrontend(Frontend):
 
     # ---------------------------------------------------------------- the app's engine calls
 
-    def prompt_ids(self, raw: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        """Token ids of a call's prompts (texts tokenized here, then dropped)."""
-        return self.local.prompt_ids(raw)
+    async def prompt_ids(
+        self, raw: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        """Token ids of a call's prompts (texts tokenized here, off the event loop, then
+        dropped)."""
+        return await self.local.prompt_ids(raw)
 
     @property
     def has_chat_template(self) -> bool:
         """True if the tokenizer can format chat messages."""
         return self.local.has_chat_template
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of chat `messages` through the tokenizer's chat template."""
-        return self.local.chat_prompt(messages)
+        return await self.local.chat_prompt(messages)
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate."""
@@ -148,7 +150,7 @@ class LMFrontend(Frontend):
             # The single server's checks, here so a bad prompt is refused with its status
             # before a stream starts; the replica's engine makes them again, and its
             # admission (queue limits) answers the rest.
-            self.local.check_prompt(p, params)
+            self.local.prompts.check(p, params)
         lengths = [len(p) for p in prompts]
         self.ranges.observe(lengths)
         timeout = timeout if timeout is not None else self.request_timeout

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import LenbatchError, ModelNotFound
-from lenbatch.serving.lifecycle import Servable
+from lenbatch.serving.services import Service
 
 __all__ = [
     "DrainingServer",
@@ -192,7 +192,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
 
 
 def engine_app(
-    engine: Servable,
+    engine: Service,
     settings: Settings,
     served: str,
     model_card: dict[str, Any] | None = None,
@@ -297,7 +297,7 @@ class DrainingServer(uvicorn.Server):
     new requests get 503 `shutting_down`, which load balancers treat as "go elsewhere".
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Servable, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Service, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
@@ -319,7 +319,7 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve_app(app: FastAPI, engine: Servable, settings: Settings) -> None:
+def serve_app(app: FastAPI, engine: Service, settings: Settings) -> None:
     """Serve `app` (whose lifespan starts `engine`) until SIGTERM or Ctrl-C, drain, exit."""
     config = uvicorn.Config(
         app,

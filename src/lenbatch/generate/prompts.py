@@ -1,0 +1,120 @@
+"""A call's prompts to checked token ids, off the event loop.
+
+Prompt texts and chat templates are tokenized in worker threads (HF fast tokenizers release the
+GIL), never in the async route, so a long prompt holds up neither the loop nor the streams it
+serves. The checks a prompt must pass before admission (not empty, ids in the vocabulary,
+`max_tokens` under the server's limit, prompt plus `max_tokens` within the context) are made
+here too. The single server's generation engine and the Ray ingress (`lenbatch.scaleout`) both
+use a `Prompts`, so a prompt gets the same ids and the same refusal from either; the ingress
+builds it on a tokenizer alone (`lenbatch.runners.tokenizer.TextTokenizer`), never the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from lenbatch.config import GenerationConfig
+from lenbatch.core.errors import BadInput, InputTooLong
+from lenbatch.runners.base import ModelInfo
+from lenbatch.serving.messages import SamplingParams
+
+__all__ = ["PromptTokenizer", "Prompts"]
+
+_THREADS = 2  # one long prompt tokenizing leaves a thread for everyone else
+
+
+class PromptTokenizer(Protocol):
+    """What prompts need of a tokenizer (`TextTokenizer`, `CausalLMRunner`)."""
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        ...
+
+    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        """Token ids of each text, special tokens included."""
+        ...
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of chat messages through the chat template."""
+        ...
+
+
+class Prompts:
+    """Tokenizes and checks the prompts of one served causal LM."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        info: ModelInfo,
+        generation: GenerationConfig,
+        *,
+        threads: int = _THREADS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.generation = generation
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lenbatch-prompt")
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        return self.tokenizer.has_chat_template
+
+    async def ids(self, raw: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """Token ids of a call's prompts: texts tokenized in a worker thread (the caller drops
+        the text afterwards), token arrays as given (`check` tests them against the
+        vocabulary). Raises `BadInput` for an empty prompt."""
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise BadInput("prompt is empty: give a string, a list of strings or token ids")
+        if isinstance(raw[0], int):
+            raw = [raw]  # one token array
+        if isinstance(raw[0], str):
+            texts: list[str] = raw
+            if any(not t for t in texts):
+                raise BadInput("a prompt is an empty string")
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.tokenizer.tokenize, texts, False)
+        ids: list[list[int]] = raw
+        return ids
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` through the chat template, in a worker thread. Raises
+        `BadInput` when the model has no chat template."""
+        if not self.has_chat_template:
+            raise BadInput(f"model {self.info.name} has no chat template; use /v1/completions")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.chat_prompt, messages)
+
+    def context_left(self, prompt_len: int) -> int:
+        """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
+        left = self.info.max_length - prompt_len
+        cap = self.generation.max_tokens_limit
+        return max(1, min(left, cap) if cap is not None else left)
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse a prompt the model cannot take, before any admission: empty, token ids out of
+        the vocabulary, `max_tokens` over this server's limit (`BadInput`), or prompt plus
+        `max_tokens` over the context (`InputTooLong`)."""
+        if not prompt:
+            raise BadInput("the prompt is empty (0 tokens)")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.info.vocab_size:
+            raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
+        limit = self.generation.max_tokens_limit
+        if limit is not None and params.max_tokens > limit:
+            raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")
+        context = self.info.max_length
+        if len(prompt) + params.max_tokens > context:
+            raise InputTooLong(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {context} tokens"
+            )
+
+    def close(self) -> None:
+        """Stop the worker threads (a prompt still tokenizing finishes first)."""
+        self._pool.shutdown(wait=False)

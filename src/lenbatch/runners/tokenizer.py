@@ -1,0 +1,143 @@
+"""A model's tokenizer alone: text to token ids and back, chat templates, never the weights.
+
+The runners tokenize through a `TextTokenizer`, and so do the front-ends that must measure a
+request's length without running the model (the Ray ingress, a process apart from the engine):
+they load it from the model's folder with `TextTokenizer.load`, which reads the tokenizer files
+only, so they get exactly the runner's token ids at a fraction of its memory and start-up time.
+
+Two ways to cut a text over the limit, when the caller asks for truncation:
+
+- `head` (encoders): keep the first tokens. One batch-encode call for all texts; a text far
+  longer than the limit could need is cut first at a space, so a 1 MB input costs a few KB of
+  tokenizing; a cut text that then falls short of the limit is tokenized whole instead, so the
+  result is always what truncating the whole text gives.
+- `tail` (causal LMs): keep the last `max_length - 1` tokens, so the end of a prompt, which the
+  continuation follows, survives and one token is left to generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["TextTokenizer"]
+
+# Characters per token that a truncating cut leaves room for (English averages about 4): a cut
+# text that still yields fewer tokens than the limit is tokenized whole (exact either way).
+_CHARS_PER_TOKEN_BOUND = 16
+
+
+class TextTokenizer:
+    """Token ids of texts for one model with a length limit of `max_length` tokens."""
+
+    def __init__(
+        self, tokenizer: Any, max_length: int, *, keep: Literal["head", "tail"] = "head"
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.keep = keep
+
+    @classmethod
+    def load(
+        cls,
+        folder: str | Path,
+        max_length: int,
+        *,
+        keep: Literal["head", "tail"] = "head",
+        gguf_file: str | None = None,
+    ) -> TextTokenizer:
+        """The tokenizer of the model in `folder` (or of `gguf_file` inside it), with no
+        weights loaded."""
+        from transformers import AutoTokenizer
+
+        extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        return cls(AutoTokenizer.from_pretrained(Path(folder), **extra), max_length, keep=keep)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The tokenizer's padding id (None if it has none)."""
+        pad = self.tokenizer.pad_token_id
+        return None if pad is None else int(pad)
+
+    @property
+    def padding_side(self) -> Literal["left", "right"]:
+        """Which side the tokenizer pads on."""
+        return "left" if self.tokenizer.padding_side == "left" else "right"
+
+    @property
+    def model_max_length(self) -> int | None:
+        """The tokenizer's own length limit, if it states a real one."""
+        n = self.tokenizer.model_max_length
+        return int(n) if n < 10**6 else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    # ------------------------------------------------------------------ text to ids and back
+
+    def tokenize(self, texts: Sequence[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids of each text with the tokenizer's special tokens; over the limit only when
+        `truncate` is false, so callers can tell overlong inputs apart (see the module's
+        docstring for how each side cuts)."""
+        if self.keep == "tail":
+            out = self._encode(list(texts), False)
+            if truncate:
+                keep = self.max_length - 1
+                out = [ids[-keep:] if len(ids) > keep else ids for ids in out]
+            return out
+        if not truncate:
+            return self._encode(list(texts), False)
+        cuts = [self._cut(t) for t in texts]
+        ids = self._encode(cuts, True)
+        short = [
+            i
+            for i, (t, c) in enumerate(zip(texts, cuts, strict=True))
+            if c is not t and len(ids[i]) < self.max_length
+        ]
+        if short:
+            for i, redone in zip(short, self._encode([texts[i] for i in short], True), strict=True):
+                ids[i] = redone
+        return ids
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered with the tokenizer's chat template, ready for the
+        assistant's turn. Raises ValueError when the tokenizer has no chat template."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(x) for x in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
+
+    def _encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        enc = self.tokenizer(
+            texts,
+            add_special_tokens=True,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return [list(ids) for ids in enc["input_ids"]]
+
+    def _cut(self, text: str) -> str:
+        """`text`, or a prefix of it ending before a space that holds at least as many
+        characters as the limit could take tokens (pre-tokenizers split at spaces, so the
+        prefix's tokens are the whole text's first tokens)."""
+        room = self.max_length * _CHARS_PER_TOKEN_BOUND
+        if len(text) <= room:
+            return text
+        space = text.rfind(" ", 0, room)
+        return text[:space] if space > 0 else text

@@ -1,0 +1,174 @@
+"""What both model engines add to the lifecycle: lanes, queues, admission, metrics, the
+scheduling loop's task and wake-up, and the worker threads the model runs in.
+
+`BaseEngine` is the embedding engine's and the generation engine's common base. A subclass
+supplies its loop (`_loop`), optionally a warm-up, and what to flush when draining begins; the
+ledger, the refusals and the ordered shutdown come from `Lifecycle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lenbatch.config import AdmissionConfig
+from lenbatch.core.admission import Admission
+from lenbatch.core.clock import Clock, MonotonicClock
+from lenbatch.core.lanes import Lanes
+from lenbatch.core.queues import Queues
+from lenbatch.serving.ledger import Ledger
+from lenbatch.serving.lengthlog import LengthLog
+from lenbatch.serving.lifecycle import EngineState, Lifecycle
+from lenbatch.serving.metrics import Metrics
+
+__all__ = ["BaseEngine"]
+
+T = TypeVar("T")
+
+
+class BaseEngine(Lifecycle[T]):
+    """Lanes, queues, admission, metrics, loop task and worker threads of one engine."""
+
+    # Join the worker threads on stop (a unit still running in them finishes first).
+    _join_workers_on_stop = False
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        admission: AdmissionConfig | None,
+        clock: Clock | None,
+        *,
+        metrics_label: str,
+        workers: int,
+        name: str,
+        length_log: LengthLog | None = None,
+    ) -> None:
+        self.clock: Clock = clock or MonotonicClock()
+        self.cfg = lanes.cfg  # what the scheduler runs with now (subclasses may narrow it)
+        self.lane_labels = list(lanes.labels)
+        self.uses_default_boundaries = lanes.default_boundaries
+        self.queues = Queues(lanes.cfg)
+        self.metrics = Metrics(self.lane_labels, metrics_label)
+        admission = admission or AdmissionConfig()
+        self.admission = Admission(admission, lanes.cfg, self.clock.now())
+        self.request_timeout = admission.request_timeout_s
+        super().__init__(
+            Ledger(
+                self.clock,
+                self.metrics,
+                self.lane_labels,
+                length_log,
+                withdraw=self.queues.remove,
+                wake=self._kick,
+            )
+        )
+        self._name = name
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ what subclasses supply
+
+    async def _loop(self) -> None:
+        """The scheduling loop; runs until cancelled."""
+        raise NotImplementedError
+
+    async def _warm_up(self) -> None:
+        """Before the loop starts (e.g. a first forward pass); nothing by default."""
+
+    def refresh_memory(self) -> None:
+        """Read the runner's memory into the metrics."""
+
+    def _extra_stats(self) -> dict[str, Any]:
+        """Engine-specific keys of `stats()`."""
+        return {}
+
+    def _extra_prometheus(self) -> bytes:
+        """Engine-specific series after the shared ones."""
+        return b""
+
+    # ------------------------------------------------------------------ lifecycle hooks
+
+    def _on_state(self, state: EngineState) -> None:
+        self.metrics.set_ready(state is EngineState.RUNNING)
+
+    async def _prepare(self) -> None:
+        await self._warm_up()
+        self._wakeup = asyncio.Event()
+
+    def _started(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name=self._name)
+        self.refresh_memory()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) from now on and run queued ones without waiting for
+        their batches to fill. Idempotent; `stop()` finishes the shutdown."""
+        super().begin_drain()
+        self._kick()
+
+    def _on_drain_timeout(self) -> None:
+        self.queues.drain()
+
+    async def _halt(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._executor.shutdown(wait=self._join_workers_on_stop)
+
+    def _release(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ the loop's wake-up
+
+    def _kick(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _sleep_until_woken(self, wake_at: float | None) -> None:
+        """Wait for the wake-up event, or until clock time `wake_at` if given."""
+        assert self._wakeup is not None
+        timer = None
+        if wake_at is not None:
+            delay = max(0.0, wake_at - self.clock.now())
+            timer = asyncio.get_running_loop().call_later(delay, self._wakeup.set)
+        await self._wakeup.wait()
+        if timer is not None:
+            timer.cancel()
+
+    # ------------------------------------------------------------------ what the routes read
+
+    def describe(self) -> str:
+        """One line for the start-up log: strategy and lanes (saying when the boundaries are
+        the placeholder default rather than fitted to traffic)."""
+        line = f"strategy {self.cfg.strategy.value}"
+        if self.cfg.boundaries:
+            line += (
+                f": boundaries {list(self.cfg.boundaries)} + overlong lane up to "
+                f"{self.cfg.max_length}"
+            )
+        if self.uses_default_boundaries:
+            line += (
+                " (the default for this model, not fitted to your traffic: run `lenbatch fit` "
+                "on a trace or length log and pass --boundaries)"
+            )
+        return line
+
+    def stats(self) -> dict[str, Any]:
+        """JSON summary: waste, latency percentiles, per-bucket figures, state, lanes."""
+        self.refresh_memory()
+        out = self.metrics.stats()
+        out["state"] = self._state.value
+        out["boundaries"] = list(self.cfg.boundaries)
+        out["default_boundaries"] = self.uses_default_boundaries
+        out["queue_depths"] = self.queues.depths()
+        out["unanswered"] = self.unanswered
+        out.update(self._extra_stats())
+        return out
+
+    def prometheus(self) -> bytes:
+        """Prometheus exposition: the per-bucket series, then the engine's own."""
+        self.refresh_memory()
+        return self.metrics.prometheus() + self._extra_prometheus()

@@ -1,0 +1,107 @@
+"""The plain data that crosses a service boundary: what a route hands a service and gets back.
+
+Every front-end (the single-process engines, the Ray ingress, an engine in another process)
+speaks in these types, so the routes are written once against `lenbatch.serving.services`.
+Nothing here holds request text once it has been tokenized, and nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Delta",
+    "Embedded",
+    "Inputs",
+    "PairInputs",
+    "Predicted",
+    "SamplingParams",
+    "Vector",
+]
+
+Vector = npt.NDArray[np.float32]
+"""One output row: an embedding, or a scorer's / classifier's logits."""
+
+Inputs = Sequence[str] | Sequence[Sequence[int]]
+"""An embeddings call's inputs: texts, or token-id arrays (the model's own ids, used as given)."""
+
+PairInputs = Sequence[str | tuple[str, str]]
+"""A scorer's or classifier's inputs: single texts, or (query, document) pairs tokenized as a
+pair (with segment ids where the model uses them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """The answer to one embeddings call: a vector per input, in order, and the tokens they
+    took (after truncation: OpenAI's `usage.prompt_tokens`)."""
+
+    vectors: list[Vector]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """The answer to one scoring or classification call: the model's raw logits per input, in
+    order (activation and labels are the route's: sigmoid or softmax, `id2label`), and the
+    tokens they took."""
+
+    logits: list[Vector]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What a generated sequence produced in one engine step: new token ids, new text, and
+    whether it ended (`finish_reason` is `stop` or `length`, else None)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Decoding options of one generation request (OpenAI's names).
+
+    `temperature == 0` means greedy. `top_p` keeps the smallest set of most likely tokens whose
+    probability reaches `top_p`. `seed` makes sampling reproducible. `stop` strings end the text
+    (not included in it). `ignore_eos` keeps generating past end-of-sequence tokens until
+    `max_tokens` (benchmarks replaying a trace's output lengths need it). `min_tokens` keeps
+    end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(
+                f"seed must be an integer in [{-(2**63)}, {2**63 - 1}], got {self.seed}"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the most likely token."""
+        return self.temperature == 0
