@@ -41,12 +41,13 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
+from lenbatch.config import AdaptiveConfig, ShedMode
+from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, Decision
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "derive_slo"]
 
@@ -361,7 +362,7 @@ class AdaptiveState:
                     pad, real, min_due = new_pad, real + r.length, new_due
                 if dead:
                     d.expired.extend(dead)
-                    self._take(queues, dead)
+                    queues.remove_many(dead)
                 if not members:
                     continue
                 n = len(members)
@@ -396,7 +397,7 @@ class AdaptiveState:
                 d.wake_at = wake if wake < _INF else None
                 return d
             _, lane, members, pad, exec_s = best
-            self._take(queues, members)
+            queues.remove_many(members)
             if pol.merge and lane > 0 and not cfg.lanes[lane].pad_to:
                 exec_s = self._top_up(queues, cfg, lane, members, pad, start, now, d)
             end = start + exec_s
@@ -443,7 +444,7 @@ class AdaptiveState:
                     break  # the rest is checked when it reaches the head
             if not gone:
                 return window
-            self._take(queues, gone)
+            queues.remove_many(gone)
             if not q:
                 return []
 
@@ -491,37 +492,10 @@ class AdaptiveState:
                 d.merges.append((j, lane))
                 self.merges[(j, lane)] = self.merges.get((j, lane), 0) + 1
             if taken:
-                self._take(queues, taken)
+                queues.remove_many(taken)
             if len(taken) < len(window):
                 break  # this lane stopped paying: the lanes below it would pay even less
         return exec_s
-
-    @staticmethod
-    def _take(queues: Queues, requests: list[Request]) -> None:
-        """Remove `requests` from their lanes (fast when they are a lane's head, in order)."""
-        by_lane: dict[int, list[Request]] = {}
-        for r in requests:
-            by_lane.setdefault(r.lane, []).append(r)
-        for lane, rs in by_lane.items():
-            q = queues.lanes[lane]
-            k = 0
-            for r in rs:
-                if k < len(q) and q[k] is r:
-                    k += 1
-                else:
-                    break
-            present: int
-            if k == len(rs):
-                for _ in range(k):
-                    q.popleft()
-                present = k
-            else:
-                ids = {id(r) for r in rs}
-                kept = [r for r in q if id(r) not in ids]
-                present = len(q) - len(kept)
-                q.clear()
-                q.extend(kept)
-            queues.size -= present
 
     # ------------------------------------------------------------------ what /stats shows
 

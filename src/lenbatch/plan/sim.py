@@ -48,21 +48,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.config import (
-    AdaptiveConfig,
-    AdmissionConfig,
-    BatchingConfig,
-    SchedulerConfig,
-    Strategy,
-)
+from lenbatch.config import AdaptiveConfig, AdmissionConfig, BatchingConfig, Strategy
 from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.admission import Admission
+from lenbatch.core.batch import Batch
 from lenbatch.core.costfit import CostCoefficients
-from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.lanes import SchedulerConfig, resolve_lanes
 from lenbatch.core.queues import Queues
 from lenbatch.core.refit import BoundarySwap, build_refitter
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.core.scheduler import schedule
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, summarize
 from lenbatch.plan.trace import Trace
