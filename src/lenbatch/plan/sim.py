@@ -58,6 +58,7 @@ from lenbatch.core.queues import Queues
 from lenbatch.core.refit import BoundarySwap, build_refitter
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
+from lenbatch.core.slo import SHED_CODE
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, summarize
 from lenbatch.plan.trace import Trace
@@ -410,7 +411,7 @@ def _replay(
             outcome[r.handle] = OUTCOME_ERROR
         for r in decision.shed:  # answered at once (429/503): never ran, like a refusal
             outcome[r.handle] = OUTCOME_REJECTED
-            rejections["deadline_unmeetable"] = rejections.get("deadline_unmeetable", 0) + 1
+            rejections[SHED_CODE] = rejections.get(SHED_CODE, 0) + 1
         for batch in decision.batches:
             if runners_free > 0 and not waiting:
                 start(batch, now)
