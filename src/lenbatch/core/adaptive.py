@@ -44,7 +44,6 @@ from typing import Any
 from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
-from lenbatch.core.errors import LenbatchError
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
@@ -76,9 +75,11 @@ def build_state(
     return AdaptiveState(policy, model, cfg, concurrency=concurrency)
 
 
-class AdaptiveState:
+class AdaptiveState(Shedding):
     """What `adaptive` knows and has done: cost model, per-lane rates, counters. Owned by the
-    engine or the simulator, passed to `schedule()`; times come from the caller's clock."""
+    engine or the simulator, passed to `schedule()`; times come from the caller's clock.
+
+    Its admission side (`admit`, `shed_error`, `queued_work`) is `core.shedding.Shedding`."""
 
     def __init__(
         self,
@@ -90,7 +91,7 @@ class AdaptiveState:
     ) -> None:
         self.policy = policy
         self.estimates = LaneEstimates(cost, policy.rate_window, cfg)
-        self.shedding = Shedding(policy, self.estimates, concurrency)
+        self.shed_counts = {"admission": 0, "queue": 0}
         self.concurrency = max(1, concurrency)
         self.draining = False  # flush: no waiting to fill
         self.hold = False  # a lane swap is pending: emit nothing until the runner is idle
@@ -133,25 +134,6 @@ class AdaptiveState:
     def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
         """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
         self.estimates.observe_batch(lane, size, padded_len, seconds)
-
-    # ------------------------------------------------------------------ admission
-
-    def admit(
-        self,
-        lengths: Sequence[int],
-        due: float,
-        queues: Queues,
-        cfg: SchedulerConfig,
-        now: float,
-    ) -> LenbatchError | None:
-        """None if a call of `lengths` due at `due` can meet it given the work predicted ahead
-        of it; else the 429/503 (with Retry-After) to answer at once. Never refuses with
-        `shed = late`."""
-        return self.shedding.admit(lengths, due, queues, cfg, now, self.backlog_end)
-
-    def shed_error(self, r: Request, now: float) -> LenbatchError:
-        """The answer of a queued request shed because it can no longer meet its due time."""
-        return self.shedding.answer(r, now, self.backlog_end)
 
     # ------------------------------------------------------------------ the decision
 
@@ -329,7 +311,7 @@ class AdaptiveState:
                     if shed_on:
                         d.shed.append(r)
                         gone.append(r)
-                        self.shedding.counts["queue"] += 1
+                        self.shed_counts["queue"] += 1
                     else:
                         break  # served late: counted when its batch is emitted
                 else:
@@ -424,6 +406,6 @@ class AdaptiveState:
                 for (a, b), n in sorted(self.merges.items())
                 if b < len(labels)
             ],
-            "shed": dict(self.shedding.counts),
+            "shed": dict(self.shed_counts),
             "served_late": self.late,
         }

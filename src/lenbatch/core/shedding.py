@@ -4,9 +4,12 @@ meet its due time, and answer a queued request that no longer can. Pure, clock i
 With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (the online cost model). A call is
 refused at admission (429/503 with Retry-After, by `shed`) when its due time lies before the
 predicted end of the work ahead of it: what the runner still has plus everything queued, lane
-by lane in full batches (`queued_work`), plus its own `t(1, len)`. The scheduler
-sheds a request at the head of its lane that cannot meet its due time even alone. `shed = late`
+by lane in full batches (`queued_work`), plus its own `t(1, len)`. The scheduler sheds a
+request at the head of its lane that cannot meet its due time even alone. `shed = late`
 refuses nothing: such requests are kept and served late.
+
+`Shedding` is the admission side of `core.adaptive.AdaptiveState` (its base class), kept apart
+from the batch-forming side; it reads the state's policy, estimates and backlog.
 """
 
 from __future__ import annotations
@@ -25,15 +28,13 @@ __all__ = ["Shedding"]
 
 
 class Shedding:
-    """Admission refusals and the answers of shed requests, with their counts."""
+    """Admission refusals and the answers of shed requests, for `AdaptiveState`."""
 
-    def __init__(
-        self, policy: AdaptivePolicy, estimates: LaneEstimates, concurrency: int = 1
-    ) -> None:
-        self.policy = policy
-        self.estimates = estimates
-        self.concurrency = max(1, concurrency)
-        self.counts: dict[str, int] = {"admission": 0, "queue": 0}  # refused / shed from a lane
+    policy: AdaptivePolicy
+    estimates: LaneEstimates
+    concurrency: int  # batches the runner(s) execute at once
+    backlog_end: float  # predicted time the runner(s) finish what was emitted
+    shed_counts: dict[str, int]  # "admission": refused; "queue": shed from a lane
 
     def queued_work(self, queues: Queues, cfg: SchedulerConfig) -> float:
         """Predicted seconds to run everything queued, lane by lane in full batches."""
@@ -60,23 +61,21 @@ class Shedding:
         queues: Queues,
         cfg: SchedulerConfig,
         now: float,
-        backlog_end: float,
     ) -> LenbatchError | None:
         """None if a call of `lengths` due at `due` can meet it given the work predicted ahead
-        of it (the runner busy until `backlog_end`, then the queues); else the 429/503 to
-        answer at once. Never refuses with `shed = late`."""
+        of it; else the 429/503 (with Retry-After) to answer at once. Never refuses with
+        `shed = late`."""
         if self.policy.shed is ShedMode.LATE or not lengths:
             return None
-        ahead = max(0.0, backlog_end - now) + self.queued_work(queues, cfg)
+        ahead = max(0.0, self.backlog_end - now) + self.queued_work(queues, cfg)
         own = self.estimates.cost.seconds(1, max(lengths))
         if now + ahead + own <= due:
             return None
-        self.counts["admission"] += 1
+        self.shed_counts["admission"] += 1
         return self.policy.refusal(ahead, due - now, own)
 
-    def answer(self, r: Request, now: float, backlog_end: float) -> LenbatchError:
-        """The answer of a queued request shed because it can no longer meet its due time,
-        with the runner busy until `backlog_end`."""
-        ahead = max(0.0, backlog_end - now)
+    def shed_error(self, r: Request, now: float) -> LenbatchError:
+        """The answer of a queued request shed because it can no longer meet its due time."""
+        ahead = max(0.0, self.backlog_end - now)
         own = self.estimates.cost.seconds(1, r.length)
         return self.policy.refusal(ahead, self.policy.due(r) - r.arrival, own)
