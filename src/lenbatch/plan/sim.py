@@ -57,11 +57,11 @@ from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
 from lenbatch.core.slo import SHED_CODE
 from lenbatch.plan.costmodel import CostModel
-from lenbatch.plan.simrun import OUTCOME_PENDING, LaneStats, ReplayLog, SimRun
+from lenbatch.plan.simrun import OUTCOME_PENDING, ReplayLog, SimRun
 from lenbatch.plan.summary import OUTCOME_ERROR
 from lenbatch.plan.trace import Trace
 
-__all__ = ["LaneStats", "SimRun", "simulate"]
+__all__ = ["SimRun", "simulate"]
 
 _INF = math.inf
 

@@ -21,10 +21,11 @@ import numpy.typing as npt
 from lenbatch.config import Strategy
 from lenbatch.core.lanes import Lanes, SchedulerConfig
 from lenbatch.core.request import Request
+from lenbatch.core.totals import LaneTotals
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED, summarize
 
-__all__ = ["OUTCOME_PENDING", "LaneStats", "ReplayLog", "SimRun"]
+__all__ = ["OUTCOME_PENDING", "ReplayLog", "SimRun"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -32,17 +33,6 @@ IntArray = npt.NDArray[np.int64]
 OUTCOME_PENDING = -1  # not answered yet (the event loop's mark; none is left in a SimRun)
 _handle = attrgetter("handle")
 _MB = 1024 * 1024
-
-
-@dataclass(slots=True)
-class LaneStats:
-    """Batch-level totals of one lane over a run."""
-
-    batches: int = 0
-    rows: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    busy_s: float = 0.0
 
 
 @dataclass
@@ -60,7 +50,7 @@ class SimRun:
     latencies: FloatArray  # seconds from arrival to answer (NaN unless answered OK)
     waits: FloatArray  # seconds from arrival to its batch's start (NaN unless it ran)
     execs: FloatArray  # its batch's execution seconds (NaN unless it ran)
-    lane_stats: list[LaneStats]
+    lane_stats: list[LaneTotals]  # per lane, what its batches ran
     peak_memory_bytes: float
     rejections: dict[str, int] = field(default_factory=dict)  # error code -> count
     events: int = 0  # distinct event instants processed (each ran `schedule()` once)
@@ -82,12 +72,12 @@ class SimRun:
     def mean_batch_size(self) -> float | None:
         """Mean rows per executed batch."""
         batches = sum(s.batches for s in self.lane_stats)
-        return sum(s.rows for s in self.lane_stats) / batches if batches else None
+        return sum(s.requests for s in self.lane_stats) / batches if batches else None
 
     @property
     def busy_s(self) -> float:
         """Total execution seconds over all batches (summed over runner slots)."""
-        return sum(s.busy_s for s in self.lane_stats)
+        return sum(s.exec_s for s in self.lane_stats)
 
     def summary(self) -> dict[str, Any]:
         """The shared run summary (`lenbatch.plan.summary.summarize` keys), per-bucket rows extended
@@ -101,10 +91,8 @@ class SimRun:
                     "rejected": int((sel & (self.outcomes == OUTCOME_REJECTED)).sum()),
                     "errors": int((sel & (self.outcomes == OUTCOME_ERROR)).sum()),
                     "batches": s.batches,
-                    "mean_batch_size": s.rows / s.batches if s.batches else None,
-                    "padding_waste": 1 - s.real_tokens / s.padded_tokens
-                    if s.padded_tokens
-                    else None,
+                    "mean_batch_size": s.mean_batch_size,
+                    "padding_waste": s.padding_waste,
                     "exec_mean_ms": float(1000 * self.execs[ran].mean()) if ran.any() else None,
                 }
             )
@@ -201,7 +189,7 @@ class ReplayLog:
         real_b = np.bincount(which, weights=lengths[idx], minlength=len(sizes))
         k = len(cfg.lanes)
         stats = [
-            LaneStats(int(bt), int(rw), int(re), int(pd), float(bs))
+            LaneTotals(int(bt), int(rw), int(re), int(pd), float(bs))
             for bt, rw, re, pd, bs in zip(
                 np.bincount(lanes_b, minlength=k),
                 np.bincount(lanes_b, weights=sizes, minlength=k),
