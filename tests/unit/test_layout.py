@@ -12,7 +12,8 @@ the package imports the root package itself. Every import counts: inside functio
 
 Within a folder the floors say nothing, so the modules' import graph is checked for cycles
 (module by module, every import counted as above), and no module reads another lenbatch
-module's private names, neither by importing them nor as `module._name`.
+module's private names, neither by importing them nor as `module._name`. `Queues` is the only
+writer of its counters and lanes (`core/queues.py`): the scheduler and the engines read them.
 """
 
 from __future__ import annotations
@@ -185,6 +186,52 @@ def private_attributes(source: str, rel: str) -> list[str]:
     return found
 
 
+QUEUE_STATE = frozenset({"size", "inflight", "inflight_total", "lanes"})
+DEQUE_WRITES = frozenset(
+    {"append", "appendleft", "clear", "extend", "extendleft", "insert", "pop", "popleft"}
+    | {"remove", "rotate"}
+)
+
+
+def queue_writes(source: str, rel: str) -> list[str]:
+    """Writes to a `Queues`' state from outside `core/queues.py`: an assignment to (or into)
+    `x.size`, `x.inflight`, `x.inflight_total`, `x.lanes` for any `x` but `self`, and a call
+    that mutates a lane (`x.lanes[i].popleft()`, ...)."""
+    if rel == "core/queues.py":
+        return []
+
+    def queue_attribute(node: ast.expr) -> str | None:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in QUEUE_STATE
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+        ):
+            return ast.unparse(node)
+        return None
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in DEQUE_WRITES
+            and isinstance(node.func.value, ast.Subscript)
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            what = queue_attribute(target)
+            if what is not None:
+                found.append((node.lineno, f"`{ast.unparse(node)}` writes {what}"))
+    return [f"src/{PACKAGE}/{rel}: line {n}: {what}: only Queues does" for n, what in sorted(found)]
+
+
 def import_graph(texts: Mapping[str, str]) -> dict[str, set[str]]:
     """Module -> the lenbatch modules it imports (every import, as `imports_of` finds them)."""
     modules = {module_name(rel) for rel in texts}
@@ -315,12 +362,14 @@ def all_violations() -> dict[str, list[str]]:
         "floors": [],
         "private": [],
         "private_attributes": [],
+        "queue_writes": [],
         "inits": [],
     }
     for rel, text in sources().items():
         for rule, found in check(text, rel).items():
             merged[rule].extend(found)
         merged["private_attributes"].extend(private_attributes(text, rel))
+        merged["queue_writes"].extend(queue_writes(text, rel))
         if Path(rel).name == "__init__.py":
             merged["inits"].extend(check_init(text, rel))
     return merged
@@ -423,6 +472,24 @@ def test_scanner_catches_private_attributes_of_imported_modules() -> None:
     assert any("`lanes._scheduler_config`" in m and "lenbatch.core.lanes" in m for m in found)
 
 
+def test_scanner_catches_writes_to_queue_state() -> None:
+    source = (
+        "def take(queues, q, lane):\n"
+        "    queues.size -= 2\n"
+        "    queues.inflight[lane] += 1\n"
+        "    queues.lanes[lane].popleft()\n"
+        "    self.queues.inflight_total = 0\n"
+        "    queues.lanes = []\n"
+        "    ok = queues.size, len(queues.lanes[lane]), queues.lanes[lane][0]\n"
+        "    self.size = 1\n"
+        "    q.popleft()\n"  # a lane read into a name: not seen, the rule is best effort
+        "    queues.remove_front(lane, 2)\n"
+    )
+    found = queue_writes(source, "core/scheduler.py")
+    assert [m.split(": ")[1] for m in found] == ["line 2", "line 3", "line 4", "line 5", "line 6"]
+    assert queue_writes(source, "core/queues.py") == []
+
+
 def test_cycle_finder_names_one_cycle_per_group() -> None:
     graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"f"}, "f": {"e", "a"}}
     assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
@@ -463,6 +530,7 @@ def test_tree_is_scanned() -> None:
         pytest.param("floors", id="imports-only-go-down"),
         pytest.param("private", id="no-private-names-across-modules"),
         pytest.param("private_attributes", id="no-module-private-attributes-across-modules"),
+        pytest.param("queue_writes", id="only-queues-writes-its-lanes-and-counters"),
         pytest.param("inits", id="init-files-only-re-export"),
     ],
 )

@@ -257,14 +257,14 @@ class _Replay:
                     if self.timeout is not None:
                         r.deadline = at + self.timeout
                         self.deadlines.append((r.deadline, r))
-                    self.log.lanes[i] = queues.push(r)
+                    self.log.request_lanes[i] = queues.push(r)
                     if ad is not None:
                         r.due = due
                         ad.on_arrival(r.lane, length, at)
                     if self.swap is not None:
                         self.swap.refitter.observe(length)
                 else:
-                    self.log.lanes[i] = queues.lane_of(length)
+                    self.log.request_lanes[i] = queues.lane_of(length)
                     self.log.reject(i, refusal.code)
             i += 1
             at = self.arr_list[i] if i < len(self.arr_list) else _INF

@@ -116,7 +116,7 @@ class ReplayLog:
     """What the event loop records as it goes, for `to_run` to turn into a `SimRun`."""
 
     outcomes: list[int]  # per request: OUTCOME_PENDING until refused or failed (OK at the end)
-    lanes: list[int]  # per request: its lane at admission, -1 if refused before routing
+    request_lanes: list[int]  # per request: its lane at admission, -1 if refused before routing
     rejections: dict[str, int] = field(default_factory=dict)  # error code -> count
     # Five doubles per executed batch (lane, start, exec s, padded length, size), read back
     # as a numpy array without conversion; and each batch's requests.
@@ -166,7 +166,7 @@ class ReplayLog:
         lanes_b = table[:, 0].astype(np.int64)
         b_exec = table[:, 2]
         pads = table[:, 3].astype(np.int64)
-        lane_of_req = self.lanes
+        lane_of_req = self.request_lanes
         if final_lane_of is not None:  # lane numbers changed meaning: count in the final lanes
             lanes_b = np.fromiter(map(final_lane_of, pads.tolist()), np.int64, len(pads))
             len_list = lengths.tolist()
