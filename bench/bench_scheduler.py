@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
-from lenbatch.core.lanes import resolve_lanes
+from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.core.batch import Decision
+from lenbatch.core.lanes import SchedulerConfig, resolve_lanes
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Decision, schedule
+from lenbatch.core.scheduler import schedule
 from lenbatch.plan.trace import load_trace, map_trace
 
 Scheduler = Callable[[Queues, float, SchedulerConfig], Any]

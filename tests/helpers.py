@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
+from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.core.lanes import SchedulerConfig, resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 
@@ -21,7 +22,7 @@ def sched_cfg(
         boundaries=tuple(boundaries) if boundaries and strategy == "bucketed" else None,
         **kw,  # type: ignore[arg-type]
     )
-    return cfg.resolve(max_length, tuple(boundaries or ()))
+    return resolve_scheduler(cfg, max_length, tuple(boundaries or ()))
 
 
 def push(q: Queues, length: int, arrival: float, **kw: object) -> Request:

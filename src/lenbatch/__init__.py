@@ -9,17 +9,18 @@ from __future__ import annotations
 from lenbatch.config import (
     AdmissionConfig,
     BatchingConfig,
-    SchedulerConfig,
     Settings,
     Strategy,
     load_settings,
 )
+from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.buckets import BucketSet, default_boundaries
 from lenbatch.core.clock import Clock, FakeClock, MonotonicClock
 from lenbatch.core.collate import Collated, collate
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, Decision, schedule
+from lenbatch.core.scheduler import schedule
 
 __version__ = "0.1.0"
 

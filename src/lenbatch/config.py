@@ -1,8 +1,7 @@
 """Configuration: one validated tree, read from a file, the environment and flags in one place.
 
-`Settings` is what `lenbatch serve` runs with. Its `batching` part resolves, once the model's
-length limit is known, into the `SchedulerConfig` that the pure scheduler consumes: plain numbers
-in seconds and tokens, one `LanePolicy` per queue.
+`Settings` is what `lenbatch serve` runs with. Its `batching` part is resolved, once the model's
+length limit is known, into the pure scheduler's own config (`lenbatch.core.lanes`).
 
 Precedence, lowest first: defaults < config file (TOML or YAML) < `LENBATCH_*` environment
 variables < command-line flags. Environment variables name a field as
@@ -15,7 +14,6 @@ import itertools
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -28,10 +26,8 @@ __all__ = [
     "BatchingConfig",
     "DecodeMode",
     "GenerationConfig",
-    "LanePolicy",
     "ModelConfig",
     "RecoveryConfig",
-    "SchedulerConfig",
     "ServerConfig",
     "Settings",
     "ShedMode",
@@ -144,69 +140,6 @@ class BatchingConfig(BaseModel):
             if any(x < (1 if name == "bucket_max_batch" else 0) for x in values):
                 raise ValueError(f"{name} values must be positive, got {list(values)}")
         return self
-
-    def resolve(self, max_length: int, default_boundaries: tuple[int, ...] = ()) -> SchedulerConfig:
-        """The scheduler's view of this config for a model that accepts `max_length` tokens."""
-        if self.strategy is Strategy.STATIC and max_length > self.max_batch_tokens:
-            # static pads every row to the model's limit: not even one row fits the budget
-            raise ValueError(
-                f"strategy static pads every input to the model's limit of {max_length} "
-                f"tokens, over max_batch_tokens={self.max_batch_tokens}: no batch could ever "
-                f"run. Raise max_batch_tokens to at least {max_length}"
-            )
-        if not self.strategy.bucketed:
-            lane = LanePolicy(
-                upper=max_length,
-                max_batch=self.max_batch,
-                max_wait=self.max_wait_ms / 1000,
-                pad_to=max_length if self.strategy is Strategy.STATIC else None,
-            )
-            return SchedulerConfig(
-                strategy=self.strategy,
-                boundaries=(),
-                lanes=(lane,),
-                max_length=max_length,
-                max_batch_tokens=self.max_batch_tokens,
-                slots=self.max_concurrent_batches + self.prefetch_batches,
-                sorted_window=self.sorted_window,
-            )
-        if self.auto_boundaries:
-            if self.strategy is not Strategy.ADAPTIVE:
-                raise ValueError(
-                    'boundaries = "auto" learns boundaries online: it needs strategy adaptive'
-                )
-            bounds: tuple[int, ...] = (max_length,)  # one lane until the first re-fit
-        else:
-            bounds = tuple(b for b in (self.boundaries or default_boundaries))
-        if not bounds:
-            raise ValueError("bucketed strategy needs boundaries (none given and no default)")
-        if bounds[-1] > max_length:
-            raise ValueError(
-                f"last boundary {bounds[-1]} exceeds the model's max length {max_length}"
-            )
-        batches = self.bucket_max_batch or (self.max_batch,) * len(bounds)
-        waits = self.bucket_max_wait_ms or (self.max_wait_ms,) * len(bounds)
-        lanes = [
-            LanePolicy(upper=b, max_batch=n, max_wait=w / 1000)
-            for b, n, w in zip(bounds, batches, waits, strict=True)
-        ]
-        lanes.append(
-            LanePolicy(
-                upper=max_length,
-                max_batch=self.overlong_max_batch,
-                max_wait=self.overlong_max_wait_ms / 1000,
-                quota=self.overlong_max_inflight,
-            )
-        )
-        return SchedulerConfig(
-            strategy=self.strategy,
-            boundaries=bounds,
-            lanes=tuple(lanes),
-            max_length=max_length,
-            max_batch_tokens=self.max_batch_tokens,
-            slots=self.max_concurrent_batches + self.prefetch_batches,
-            sorted_window=self.sorted_window,
-        )
 
 
 class ShedMode(StrEnum):
@@ -422,30 +355,6 @@ class Settings(BaseModel):
     recovery: RecoveryConfig = RecoveryConfig()
     generation: GenerationConfig = GenerationConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
-
-
-@dataclass(frozen=True, slots=True)
-class LanePolicy:
-    """The scheduler's rules for one queue (a bucket, the overlong lane, or the single queue)."""
-
-    upper: int  # longest request this lane takes, in tokens
-    max_batch: int
-    max_wait: float  # seconds
-    pad_to: int | None = None  # fixed padded length (static strategy), else pad to batch max
-    quota: int | None = None  # most batches of this lane in flight (overlong lane)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """What `schedule()` needs, resolved: one `LanePolicy` per queue, times in seconds."""
-
-    strategy: Strategy
-    boundaries: tuple[int, ...]
-    lanes: tuple[LanePolicy, ...]
-    max_length: int
-    max_batch_tokens: int
-    slots: int  # batches that may be running or prepared at once
-    sorted_window: int = 128
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import pytest
 from lenbatch.cli import main
 from lenbatch.config import BatchingConfig, load_settings
 from lenbatch.core.buckets import BucketSet
+from lenbatch.core.lanes import resolve_scheduler
 from lenbatch.embed.engine import Engine
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.trace import load_trace, map_trace
@@ -76,7 +77,7 @@ def test_fit_snippet_round_trips(
     settings = load_settings(snippet, env={})
     assert settings.batching.strategy == "bucketed"
     assert settings.batching.boundaries == tuple(out["boundaries"])  # type: ignore[arg-type]
-    assert settings.batching.resolve(256).boundaries == tuple(out["boundaries"])  # type: ignore[arg-type]
+    assert resolve_scheduler(settings.batching, 256).boundaries == tuple(out["boundaries"])  # type: ignore[arg-type]
     assert 0 < out["expected_padding_waste"] < 1  # type: ignore[operator]
     assert sum(out["shares"]) == pytest.approx(1.0)  # type: ignore[arg-type]
     assert len(out["per_bucket"]) == len(out["boundaries"]) + 1  # type: ignore[arg-type]

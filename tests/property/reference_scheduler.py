@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lenbatch.config import LanePolicy, SchedulerConfig, Strategy
+from lenbatch.config import Strategy
+from lenbatch.core.lanes import LanePolicy, SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from lenbatch.config import BatchingConfig, SchedulerConfig, Strategy
+from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.core.lanes import SchedulerConfig, resolve_scheduler
 
 # The strategies whose readiness follows fixed max_wait / max_batch rules (adaptive decides
 # from a cost model and deadlines: tests/property/test_adaptive_properties.py).
@@ -44,7 +45,7 @@ def scheduler_configs(draw: st.DrawFn) -> SchedulerConfig:
         max_concurrent_batches=draw(st.integers(1, 3)),
         prefetch_batches=0,
     )
-    return cfg.resolve(max_length, bounds or ())
+    return resolve_scheduler(cfg, max_length, bounds or ())
 
 
 @st.composite

@@ -14,12 +14,14 @@ import heapq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lenbatch.config import BatchingConfig, SchedulerConfig, ShedMode, Strategy
+from lenbatch.config import BatchingConfig, ShedMode, Strategy
 from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState
+from lenbatch.core.batch import Batch
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.lanes import SchedulerConfig, resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.core.scheduler import schedule
 from tests.property.strategies import Arrival, workloads
 
 
@@ -32,16 +34,19 @@ def adaptive_setups(draw: st.DrawFn) -> tuple[SchedulerConfig, AdaptivePolicy]:
     """Random lanes, caps and budget; random switches and SLO."""
     max_length = draw(st.sampled_from([32, 64, 128]))
     picks = draw(st.sets(st.integers(1, max_length), min_size=1, max_size=5))
-    cfg = BatchingConfig(
-        strategy=Strategy.ADAPTIVE,
-        boundaries=tuple(sorted(picks)),
-        max_batch=draw(st.integers(1, 8)),
-        max_batch_tokens=draw(st.integers(max_length, 6 * max_length)),
-        overlong_max_batch=draw(st.integers(1, 4)),
-        overlong_max_inflight=draw(st.integers(1, 2)),
-        max_concurrent_batches=draw(st.integers(1, 2)),
-        prefetch_batches=draw(st.integers(0, 1)),
-    ).resolve(max_length)
+    cfg = resolve_scheduler(
+        BatchingConfig(
+            strategy=Strategy.ADAPTIVE,
+            boundaries=tuple(sorted(picks)),
+            max_batch=draw(st.integers(1, 8)),
+            max_batch_tokens=draw(st.integers(max_length, 6 * max_length)),
+            overlong_max_batch=draw(st.integers(1, 4)),
+            overlong_max_inflight=draw(st.integers(1, 2)),
+            max_concurrent_batches=draw(st.integers(1, 2)),
+            prefetch_batches=draw(st.integers(0, 1)),
+        ),
+        max_length,
+    )
     policy = AdaptivePolicy(
         level_slo=(draw(st.sampled_from([0.01, 0.05, 0.5, 5.0])),),
         min_wait=draw(st.sampled_from([0.0, 0.001])),
@@ -215,14 +220,17 @@ def test_refit_under_load_loses_duplicates_and_reorders_nothing(
     swaps = []
     for _ in range(n_swaps):
         picks = data.draw(st.sets(st.integers(1, cfg.max_length), min_size=1, max_size=5))
-        new = BatchingConfig(
-            strategy=Strategy.ADAPTIVE,
-            boundaries=tuple(sorted(picks)),
-            max_batch=cfg.lanes[0].max_batch,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_concurrent_batches=1,
-            prefetch_batches=cfg.slots - 1,
-        ).resolve(cfg.max_length)
+        new = resolve_scheduler(
+            BatchingConfig(
+                strategy=Strategy.ADAPTIVE,
+                boundaries=tuple(sorted(picks)),
+                max_batch=cfg.lanes[0].max_batch,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_concurrent_batches=1,
+                prefetch_batches=cfg.slots - 1,
+            ),
+            cfg.max_length,
+        )
         swaps.append((data.draw(st.integers(1, 40)), new))
     outcome = drive(cfg, policy, work, per_token, swaps)
     assert sorted(outcome) == list(range(len(work))), "some request was never answered"

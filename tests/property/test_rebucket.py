@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.core.lanes import resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 
@@ -14,7 +15,7 @@ bounds = st.sets(st.integers(1, 128), min_size=1, max_size=5).map(lambda s: tupl
 
 
 def _cfg(b: tuple[int, ...]):  # type: ignore[no-untyped-def]
-    return BatchingConfig(strategy=Strategy.ADAPTIVE, boundaries=b).resolve(128)
+    return resolve_scheduler(BatchingConfig(strategy=Strategy.ADAPTIVE, boundaries=b), 128)
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,10 +13,12 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lenbatch.config import SchedulerConfig, Strategy
+from lenbatch.config import Strategy
+from lenbatch.core.batch import Batch
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.core.scheduler import schedule
 from tests.property.strategies import Arrival, scheduler_configs, workloads
 
 

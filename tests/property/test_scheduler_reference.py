@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lenbatch.config import BatchingConfig, SchedulerConfig
+from lenbatch.config import BatchingConfig
+from lenbatch.core.lanes import SchedulerConfig, resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
@@ -26,18 +27,22 @@ class Op:
 
 
 configs = st.builds(
-    lambda strategy, bounds, mb, wait, tokens, conc, pre, window, omb, quota: BatchingConfig(
-        strategy=strategy,
-        boundaries=tuple(sorted(set(bounds))) if bounds else None,
-        max_batch=mb,
-        max_wait_ms=wait,
-        max_batch_tokens=tokens,
-        max_concurrent_batches=conc,
-        prefetch_batches=pre,
-        sorted_window=window,
-        overlong_max_batch=omb,
-        overlong_max_inflight=quota,
-    ).resolve(128, (16, 32, 64)),
+    lambda strategy, bounds, mb, wait, tokens, conc, pre, window, omb, quota: resolve_scheduler(
+        BatchingConfig(
+            strategy=strategy,
+            boundaries=tuple(sorted(set(bounds))) if bounds else None,
+            max_batch=mb,
+            max_wait_ms=wait,
+            max_batch_tokens=tokens,
+            max_concurrent_batches=conc,
+            prefetch_batches=pre,
+            sorted_window=window,
+            overlong_max_batch=omb,
+            overlong_max_inflight=quota,
+        ),
+        128,
+        (16, 32, 64),
+    ),
     st.sampled_from(FIXED),
     st.lists(st.integers(1, 128), max_size=4),
     st.integers(1, 12),

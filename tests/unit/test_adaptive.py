@@ -8,10 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
+from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState, check_slo, derive_slo
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.errors import Overloaded, Unavailable
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule

@@ -6,17 +6,18 @@ import math
 
 import pytest
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, LanePolicy, SchedulerConfig, Strategy
+from lenbatch.config import AdmissionConfig, BatchingConfig, Strategy
 from lenbatch.core.admission import Admission, TokenBucket
 from lenbatch.core.errors import InputTooLong, Overloaded
+from lenbatch.core.lanes import LanePolicy, SchedulerConfig, resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 
 
 def _sched(max_length: int = 256, budget: int = 8192, pad_to: int | None = None) -> SchedulerConfig:
     if pad_to is None:
-        return BatchingConfig(boundaries=(32, 64), max_batch_tokens=budget, max_batch=8).resolve(
-            max_length
+        return resolve_scheduler(
+            BatchingConfig(boundaries=(32, 64), max_batch_tokens=budget, max_batch=8), max_length
         )
     lane = LanePolicy(upper=max_length, max_batch=8, max_wait=0.01, pad_to=pad_to)
     return SchedulerConfig(Strategy.STATIC, (), (lane,), max_length, budget, slots=2)
@@ -64,7 +65,7 @@ def test_static_pad_over_budget_refuses_everything_with_the_reason() -> None:
 def test_static_config_over_budget_is_a_startup_error() -> None:
     """`static` with max_batch_tokens below the model limit is rejected when resolved."""
     with pytest.raises(ValueError, match="max_batch_tokens=256"):
-        BatchingConfig(strategy=Strategy.STATIC, max_batch_tokens=256).resolve(512)
+        resolve_scheduler(BatchingConfig(strategy=Strategy.STATIC, max_batch_tokens=256), 512)
 
 
 def test_queue_total_full_is_429_with_retry_after() -> None:

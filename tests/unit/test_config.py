@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from lenbatch.config import BatchingConfig, Strategy, load_settings
+from lenbatch.core.lanes import resolve_scheduler
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -72,20 +73,20 @@ def test_resolve_bucketed_lanes() -> None:
         overlong_max_inflight=2,
         max_wait_ms=5,
     )
-    sc = cfg.resolve(256)
+    sc = resolve_scheduler(cfg, 256)
     assert [lane.upper for lane in sc.lanes] == [32, 64, 256]
     assert [lane.max_batch for lane in sc.lanes] == [64, 16, 4]
     assert [lane.max_wait for lane in sc.lanes] == [0.005, 0.005, 0.04]
     assert [lane.quota for lane in sc.lanes] == [None, None, 2]
     assert sc.slots == cfg.max_concurrent_batches + cfg.prefetch_batches
     with pytest.raises(ValueError, match="exceeds the model's max length"):
-        BatchingConfig(boundaries=(300,)).resolve(256)
+        resolve_scheduler(BatchingConfig(boundaries=(300,)), 256)
 
 
 def test_resolve_single_queue_strategies() -> None:
     """static pads to the model limit; fifo and sorted pad to the batch's longest."""
     for strategy, pad in (("static", 256), ("fifo", None), ("sorted", None)):
-        sc = BatchingConfig(strategy=Strategy(strategy)).resolve(256)
+        sc = resolve_scheduler(BatchingConfig(strategy=Strategy(strategy)), 256)
         assert len(sc.lanes) == 1 and sc.lanes[0].pad_to == pad
 
 
@@ -101,5 +102,5 @@ def test_shipped_tuned_config_loads() -> None:
     root = Path(__file__).resolve().parents[2]
     s = load_settings(root / "configs" / "minilm-azure-conv.toml", {})
     assert s.batching.strategy is Strategy.BUCKETED
-    sc = s.batching.resolve(256)
+    sc = resolve_scheduler(s.batching, 256)
     assert sc.boundaries and sc.boundaries[-1] <= 256

@@ -9,11 +9,17 @@ lower floor (`embed` and `generate` share a floor and never import each other):
 `lenbatch/__init__.py` re-exports public names and sits above every floor, so no module inside
 the package imports the root package itself. Every import counts: inside functions and under
 `TYPE_CHECKING` too.
+
+Within a folder the floors say nothing, so the modules' import graph is checked for cycles
+(module by module, every import counted as above), and no module reads another lenbatch
+module's private names, neither by importing them nor as `module._name`. `Queues` is the only
+writer of its counters and lanes (`core/queues.py`): the scheduler and the engines read them.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -149,6 +155,151 @@ def check(source: str, rel: str) -> dict[str, list[str]]:
     return out
 
 
+def private_attributes(source: str, rel: str) -> list[str]:
+    """Reads of `module._name` where `module` is a lenbatch module this file imported (`import
+    lenbatch.x.y [as m]`, `from lenbatch.x import y`, `from . import y`)."""
+    tree = ast.parse(source, filename=rel)
+    bound: dict[str, str] = {}  # local name (or dotted path) -> lenbatch module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if folder_of_module(alias.name) is not None:
+                    bound[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            for imp in imports_of(ast.unparse(node), rel):
+                if imp.name is not None and imp.module.endswith(f".{imp.name}"):
+                    alias = next(a for a in node.names if a.name == imp.name)
+                    bound[alias.asname or alias.name] = imp.module
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        owner = bound.get(ast.unparse(node.value))
+        if owner is not None:
+            found.append(
+                f"src/{PACKAGE}/{rel}: line {node.lineno}: `{ast.unparse(node)}` reads a private "
+                f"name of {owner}"
+            )
+    return found
+
+
+QUEUE_STATE = frozenset({"size", "inflight", "inflight_total", "lanes"})
+DEQUE_WRITES = frozenset(
+    {"append", "appendleft", "clear", "extend", "extendleft", "insert", "pop", "popleft"}
+    | {"remove", "rotate"}
+)
+
+
+def queue_writes(source: str, rel: str) -> list[str]:
+    """Writes to a `Queues`' state from outside `core/queues.py`: an assignment to (or into)
+    `x.size`, `x.inflight`, `x.inflight_total`, `x.lanes` for any `x` but `self`, and a call
+    that mutates a lane (`x.lanes[i].popleft()`, ...)."""
+    if rel == "core/queues.py":
+        return []
+
+    def queue_attribute(node: ast.expr) -> str | None:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in QUEUE_STATE
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+        ):
+            return ast.unparse(node)
+        return None
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in DEQUE_WRITES
+            and isinstance(node.func.value, ast.Subscript)
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            what = queue_attribute(target)
+            if what is not None:
+                found.append((node.lineno, f"`{ast.unparse(node)}` writes {what}"))
+    return [f"src/{PACKAGE}/{rel}: line {n}: {what}: only Queues does" for n, what in sorted(found)]
+
+
+def import_graph(texts: Mapping[str, str]) -> dict[str, set[str]]:
+    """Module -> the lenbatch modules it imports (every import, as `imports_of` finds them)."""
+    modules = {module_name(rel) for rel in texts}
+    graph: dict[str, set[str]] = {}
+    for rel, text in texts.items():
+        this = module_name(rel)
+        graph[this] = {imp.module for imp in imports_of(text, rel) if imp.module in modules} - {
+            this
+        }
+    return graph
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """One cycle (`[a, b, ..., a]`) per strongly connected group of modules that import each
+    other, found with Tarjan's algorithm; empty when the graph has none."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_through(graph, set(group), group[0]) for group in sorted(groups)]
+
+
+def _cycle_through(graph: Mapping[str, set[str]], group: set[str], start: str) -> list[str]:
+    """A shortest import path from `start` back to itself inside `group` (breadth first)."""
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt: list[str] = []
+        for v in frontier:
+            for w in sorted(graph.get(v, set()) & group):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"bug: no cycle through {start}")
+
+
 def is_docstring(node: ast.stmt) -> bool:
     return (
         isinstance(node, ast.Expr)
@@ -210,11 +361,15 @@ def all_violations() -> dict[str, list[str]]:
         "serving_side": [],
         "floors": [],
         "private": [],
+        "private_attributes": [],
+        "queue_writes": [],
         "inits": [],
     }
     for rel, text in sources().items():
         for rule, found in check(text, rel).items():
             merged[rule].extend(found)
+        merged["private_attributes"].extend(private_attributes(text, rel))
+        merged["queue_writes"].extend(queue_writes(text, rel))
         if Path(rel).name == "__init__.py":
             merged["inits"].extend(check_init(text, rel))
     return merged
@@ -296,6 +451,68 @@ def test_scanner_accepts_allowed_imports() -> None:
     assert check_init(init, "plan/__init__.py") == []
 
 
+def test_scanner_catches_private_attributes_of_imported_modules() -> None:
+    source = (
+        "import os\n"
+        "import lenbatch.core.queues\n"
+        "import lenbatch.core.buckets as b\n"
+        "from lenbatch.plan import sim\n"
+        "from . import lanes\n"
+        "x = lenbatch.core.queues._queued_order\n"
+        "y = b._private\n"
+        "def f():\n"
+        "    return sim._Replay, lanes._scheduler_config\n"
+        "ok = os._exit, sim.simulate, b.__name__, sim.SimRun._fields, lanes.Lanes\n"
+    )
+    found = private_attributes(source, "core/x.py")
+    assert len(found) == 4
+    assert any("line 6" in m and "lenbatch.core.queues._queued_order" in m for m in found)
+    assert any("`b._private`" in m and "lenbatch.core.buckets" in m for m in found)
+    assert any("`sim._Replay`" in m for m in found)
+    assert any("`lanes._scheduler_config`" in m and "lenbatch.core.lanes" in m for m in found)
+
+
+def test_scanner_catches_writes_to_queue_state() -> None:
+    source = (
+        "def take(queues, q, lane):\n"
+        "    queues.size -= 2\n"
+        "    queues.inflight[lane] += 1\n"
+        "    queues.lanes[lane].popleft()\n"
+        "    self.queues.inflight_total = 0\n"
+        "    queues.lanes = []\n"
+        "    ok = queues.size, len(queues.lanes[lane]), queues.lanes[lane][0]\n"
+        "    self.size = 1\n"
+        "    q.popleft()\n"  # a lane read into a name: not seen, the rule is best effort
+        "    queues.remove_front(lane, 2)\n"
+    )
+    found = queue_writes(source, "core/scheduler.py")
+    assert [m.split(": ")[1] for m in found] == ["line 2", "line 3", "line 4", "line 5", "line 6"]
+    assert queue_writes(source, "core/queues.py") == []
+
+
+def test_cycle_finder_names_one_cycle_per_group() -> None:
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"f"}, "f": {"e", "a"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_type_checking_and_function_imports_close_a_cycle() -> None:
+    texts = {
+        "core/scheduler.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from lenbatch.core.adaptive import AdaptiveState\n"
+        ),
+        "core/adaptive.py": "def f():\n    from lenbatch.core import scheduler\n",
+        "core/queues.py": "from lenbatch.core.request import Request\n",
+    }
+    graph = import_graph(texts)
+    assert graph["lenbatch.core.queues"] == set()  # request.py is not among the texts
+    assert import_cycles(graph) == [
+        ["lenbatch.core.adaptive", "lenbatch.core.scheduler", "lenbatch.core.adaptive"]
+    ]
+
+
 # The real tree.
 
 
@@ -312,6 +529,8 @@ def test_tree_is_scanned() -> None:
         pytest.param("serving_side", id="serving-side-never-imports-plan-replay-cli"),
         pytest.param("floors", id="imports-only-go-down"),
         pytest.param("private", id="no-private-names-across-modules"),
+        pytest.param("private_attributes", id="no-module-private-attributes-across-modules"),
+        pytest.param("queue_writes", id="only-queues-writes-its-lanes-and-counters"),
         pytest.param("inits", id="init-files-only-re-export"),
     ],
 )
@@ -319,3 +538,12 @@ def test_layout(rule: str) -> None:
     found = all_violations()[rule]
     if found:
         pytest.fail(f"{len(found)} layout violation(s):\n" + "\n".join(found), pytrace=False)
+
+
+def test_no_import_cycles() -> None:
+    """No modules import each other, directly or through others, at run time, inside a
+    function or under `TYPE_CHECKING`."""
+    cycles = import_cycles(import_graph(sources()))
+    if cycles:
+        named = "\n".join(" -> ".join(c) for c in cycles)
+        pytest.fail(f"{len(cycles)} import cycle(s):\n{named}", pytrace=False)

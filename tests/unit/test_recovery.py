@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from lenbatch.config import BatchingConfig
+from lenbatch.core.lanes import resolve_scheduler
 from lenbatch.core.recovery import BatchCaps
 
 
 def _caps(cooldown: float = 10.0) -> BatchCaps:
-    base = BatchingConfig(boundaries=(32, 64), max_batch=16, max_wait_ms=5).resolve(128)
+    base = resolve_scheduler(BatchingConfig(boundaries=(32, 64), max_batch=16, max_wait_ms=5), 128)
     return BatchCaps(base, cooldown)
 
 

@@ -172,3 +172,40 @@ def test_remove_and_batch_done_bookkeeping() -> None:
     assert not q.remove(r)
     with pytest.raises(RuntimeError, match="bug"):
         q.batch_done(0)
+
+
+def test_remove_front_takes_a_lanes_head_and_refuses_more_than_it_holds() -> None:
+    """remove_front drops the first n of one lane and counts them out of the size."""
+    cfg = sched_cfg()
+    q = Queues(cfg)
+    rs = [push(q, 10, t) for t in (0.0, 0.1, 0.2)]
+    other = push(q, 40, 0.0)
+    q.remove_front(0, 2)
+    assert list(q.lanes[0]) == [rs[2]] and list(q.lanes[2]) == [other] and q.size == 2
+    q.remove_front(0, 1)
+    assert q.depth(0) == 0 and q.size == 1
+    with pytest.raises(RuntimeError, match="bug"):
+        q.remove_front(2, 2)
+
+
+def test_remove_many_takes_heads_and_middles_and_skips_what_is_gone() -> None:
+    """remove_many takes any queued requests out of any lanes, in one call, and returns how
+    many were still queued; the rest keep their order."""
+    cfg = sched_cfg()
+    q = Queues(cfg)
+    a, b, c, d = (push(q, 10, t) for t in (0.0, 0.1, 0.2, 0.3))
+    long = push(q, 40, 0.0)
+    assert q.remove_many([a, b, long]) == 3  # the head of lane 0, in order, and lane 2
+    assert list(q.lanes[0]) == [c, d] and q.depth(2) == 0 and q.size == 2
+    assert q.remove_many([d, a]) == 1  # d from the middle; a no longer queued
+    assert list(q.lanes[0]) == [c] and q.size == 1
+
+
+def test_push_front_puts_back_in_the_given_order() -> None:
+    """What the scheduler does not use goes back at the head of its lane, in order."""
+    cfg = sched_cfg()
+    q = Queues(cfg)
+    a, b, c = (push(q, 10, t) for t in (0.0, 0.1, 0.2))
+    q.remove_front(0, 2)
+    q.push_front([a, b])
+    assert list(q.lanes[0]) == [a, b, c] and q.size == 3

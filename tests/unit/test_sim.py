@@ -169,7 +169,7 @@ def test_every_request_is_accounted_for_under_overload() -> None:
         run = simulate(t, CostModel(const=0.01, per_token=1e-5), BatchingConfig(strategy=s), adm)
         counts = np.bincount(run.outcomes, minlength=3)
         assert counts.sum() == n
-        assert counts[OUTCOME_OK] == sum(st.rows for st in run.lane_stats)
+        assert counts[OUTCOME_OK] == sum(st.requests for st in run.lane_stats)
         assert counts[OUTCOME_REJECTED] == sum(run.rejections.values())
         assert np.isnan(run.latencies[run.outcomes != OUTCOME_OK]).all()
         assert (run.waits[run.outcomes == OUTCOME_OK] >= 0).all()

@@ -14,11 +14,11 @@ import lenbatch.serving.engine
 from lenbatch.config import AdaptiveConfig, BatchingConfig, Strategy
 from lenbatch.core.adaptive import build_state
 from lenbatch.core.admission import Admission
+from lenbatch.core.batch import Decision
 from lenbatch.core.errors import LenbatchError
-from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.lanes import SchedulerConfig, resolve_lanes
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Decision
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.trace import Trace
 
@@ -43,9 +43,7 @@ def test_simulator_decisions_come_from_the_scheduler(monkeypatch: pytest.MonkeyP
     emitted = []
     real = lenbatch.core.scheduler.schedule
 
-    def spy(
-        queues: Queues, now: float, cfg: lenbatch.config.SchedulerConfig, ad: object = None
-    ) -> Decision:
+    def spy(queues: Queues, now: float, cfg: SchedulerConfig, ad: object = None) -> Decision:
         d = real(queues, now, cfg, ad)  # type: ignore[arg-type]
         emitted.extend(len(b.requests) for b in d.batches)
         return d

@@ -50,7 +50,7 @@ def test_drift_with_refit_swaps_to_boundaries_that_fit_the_long_mix() -> None:
     assert any(150 <= b <= 250 for b in final[:-1]) or len(final) == 1
     # Every request answered exactly once: all OK, and each ran in exactly one batch.
     assert (sim.outcomes == OUTCOME_OK).all()
-    assert sum(s.rows for s in sim.lane_stats) == len(t)
+    assert sum(s.requests for s in sim.lane_stats) == len(t)
     assert len(sim.labels) == len(sim.lane_stats) == len(sim.cfg.lanes)
     assert (sim.lanes >= 0).all() and (sim.lanes < len(sim.cfg.lanes)).all()
     assert sim.summary()["completed"] == len(t)
@@ -61,7 +61,7 @@ def test_refit_off_never_refits() -> None:
     assert sim.refit is None
     assert sim.cfg.boundaries == START
     assert (sim.outcomes == OUTCOME_OK).all()
-    assert sum(s.rows for s in sim.lane_stats) == len(t)
+    assert sum(s.requests for s in sim.lane_stats) == len(t)
 
 
 def test_auto_boundaries_learn_from_the_first_requests() -> None:
@@ -69,7 +69,7 @@ def test_auto_boundaries_learn_from_the_first_requests() -> None:
     assert sim.refit is not None and sim.refit["refits"] >= 1
     assert sim.refit["events"][0]["old"] == [256]
     assert len(sim.cfg.boundaries) > 1
-    assert sum(s.rows for s in sim.lane_stats) == len(t)
+    assert sum(s.requests for s in sim.lane_stats) == len(t)
 
 
 def test_the_refits_chain_from_the_start_boundaries_to_the_final_ones() -> None:

@@ -1,8 +1,9 @@
 """The `adaptive` strategy: batches formed from a cost model and deadlines. Pure, clock injected.
 
 The engine and the simulator both own one `AdaptiveState` and pass it to `schedule()`; it holds
-what the strategy learns (the online cost model, a per-lane arrival rate, the padded length
-each lane's batches reach) and decides with it. Lanes are the bucketed ones.
+what the strategy learns (`core.estimates`: the online cost model, a per-lane arrival rate, the
+padded length each lane's batches reach), its policy (`core.slo`: SLOs, due times, levels) and
+its admission side (`core.shedding`), and decides here with them. Lanes are the bucketed ones.
 
 Every request has a due time: arrival + the SLO of its priority level (or the call's own
 timeout). With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (`OnlineCostModel`),
@@ -37,83 +38,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from lenbatch.config import AdaptiveConfig, SchedulerConfig, ShedMode
+from lenbatch.config import AdaptiveConfig, ShedMode
+from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
-from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
+from lenbatch.core.estimates import LaneEstimates
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, Decision
+from lenbatch.core.shedding import Shedding
+from lenbatch.core.slo import AdaptivePolicy, check_slo, derive_slo
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "derive_slo"]
 
 _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
-_SHED_CODE = "deadline_unmeetable"
-
-
-@dataclass(frozen=True, slots=True)
-class AdaptivePolicy:
-    """The strategy's knobs, resolved (seconds)."""
-
-    level_slo: tuple[float, ...]  # SLO of each priority level, lowest level first
-    min_wait: float = 0.0
-    max_wait: float = 0.1
-    late_binding: bool = True
-    fill_gain: float = 0.1
-    fill_load: float = 0.7
-    rate_window: float = 1.0
-    merge: bool = True
-    shed: ShedMode = ShedMode.REJECT_429
-    aging: float = 1.0
-
-    @property
-    def levels(self) -> int:
-        """Number of priority levels."""
-        return len(self.level_slo)
-
-    @classmethod
-    def from_config(cls, ac: AdaptiveConfig, slo: float) -> AdaptivePolicy:
-        """From the `[adaptive]` settings, with `slo` (seconds) for levels not given one."""
-        if ac.priority_slo_ms is not None:
-            level_slo = tuple(v / 1000 for v in ac.priority_slo_ms)
-        else:
-            level_slo = (slo,) * ac.priority_levels
-        return cls(
-            level_slo=level_slo,
-            min_wait=ac.min_wait_ms / 1000,
-            max_wait=ac.max_wait_ms / 1000,
-            late_binding=ac.late_binding,
-            fill_gain=ac.fill_gain,
-            fill_load=ac.fill_above_load,
-            rate_window=ac.rate_window_s,
-            merge=ac.merge,
-            shed=ac.shed,
-            aging=ac.aging_ms / 1000,
-        )
-
-
-def derive_slo(cost: OnlineCostModel, longest: int) -> float:
-    """The default SLO: four times the predicted time of the longest input alone, >= 100 ms."""
-    return max(0.1, 4 * cost.seconds(1, longest))
-
-
-def check_slo(policy: AdaptivePolicy, cost: OnlineCostModel, longest: int) -> None:
-    """Refuse (ValueError, saying why) an SLO that the longest admissible input cannot meet
-    even alone on an idle runner: every batch holding it would miss it."""
-    alone = cost.seconds(1, longest)
-    for level, slo in enumerate(policy.level_slo):
-        if slo < alone:
-            which = f"priority level {level}'s SLO" if policy.levels > 1 else "the SLO"
-            raise ValueError(
-                f"{which} of {slo * 1000:.0f} ms is below the predicted time of the longest "
-                f"admissible input alone ({alone * 1000:.0f} ms for 1 x {longest} tokens, by "
-                f"the cost model): no batch holding it could meet it. Raise slo_ms to at "
-                f"least {math.ceil(alone * 1000)} or lower the model's max_length"
-            )
 
 
 def build_state(
@@ -134,9 +75,11 @@ def build_state(
     return AdaptiveState(policy, model, cfg, concurrency=concurrency)
 
 
-class AdaptiveState:
+class AdaptiveState(Shedding):
     """What `adaptive` knows and has done: cost model, per-lane rates, counters. Owned by the
-    engine or the simulator, passed to `schedule()`; times come from the caller's clock."""
+    engine or the simulator, passed to `schedule()`; times come from the caller's clock.
+
+    Its admission side (`admit`, `shed_error`, `queued_work`) is `core.shedding.Shedding`."""
 
     def __init__(
         self,
@@ -147,23 +90,25 @@ class AdaptiveState:
         concurrency: int = 1,
     ) -> None:
         self.policy = policy
-        self.cost = cost
+        self.estimates = LaneEstimates(cost, policy.rate_window, cfg)
+        self.shed_counts = {"admission": 0, "queue": 0}
         self.concurrency = max(1, concurrency)
         self.draining = False  # flush: no waiting to fill
         self.hold = False  # a lane swap is pending: emit nothing until the runner is idle
         self.backlog_end = -_INF  # predicted time the runner(s) finish what was emitted
         self.merges: dict[tuple[int, int], int] = {}
-        self.shed_counts: dict[str, int] = {"admission": 0, "queue": 0}
         self.late = 0  # requests kept although predicted late (shed = late)
         self.reset_lanes(cfg)
+
+    @property
+    def cost(self) -> OnlineCostModel:
+        """The online cost model the decisions predict batch times with."""
+        return self.estimates.cost
 
     def reset_lanes(self, cfg: SchedulerConfig) -> None:
         """Start per-lane estimates afresh for `cfg`'s lanes (start-up, or after a re-fit)."""
         n = len(cfg.lanes)
-        self._rate = [0.0] * n
-        self._rate_t = [0.0] * n
-        self._pad = [float(p.upper) for p in cfg.lanes]  # padded length batches reach
-        self._len = [float(p.upper) / 2 for p in cfg.lanes]  # mean request length
+        self.estimates.reset(cfg)
         self.wait = [0.0] * n  # the current fill window per lane (s), for /stats
         self.target = [1] * n  # the current target batch per lane
         self.merges = {}
@@ -172,122 +117,52 @@ class AdaptiveState:
 
     def slo_of(self, priority: int) -> float:
         """The SLO (seconds) of a priority level."""
-        return self.policy.level_slo[min(max(priority, 0), self.policy.levels - 1)]
+        return self.policy.slo_of(priority)
 
     def due_of(self, arrival: float, priority: int, timeout: float | None) -> float:
         """When a request arriving at `arrival` is due: its call's timeout, else its level's SLO."""
-        return arrival + (timeout if timeout is not None else self.slo_of(priority))
+        return self.policy.due_of(arrival, priority, timeout)
 
     def on_arrival(self, lane: int, length: int, now: float) -> None:
         """A request of `length` tokens joined `lane` at `now` (updates its arrival rate)."""
-        tau = self.policy.rate_window
-        self._rate[lane] = self._rate[lane] * math.exp(-(now - self._rate_t[lane]) / tau) + 1 / tau
-        self._rate_t[lane] = now
-        self._len[lane] += 0.05 * (length - self._len[lane])
+        self.estimates.on_arrival(lane, length, now)
 
     def rate(self, lane: int, now: float) -> float:
         """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
-        dt = max(0.0, now - self._rate_t[lane])
-        return self._rate[lane] * math.exp(-dt / self.policy.rate_window)
+        return self.estimates.rate(lane, now)
 
     def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
         """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
-        self.cost.observe(size, padded_len, seconds)
-        if 0 <= lane < len(self._pad):
-            self._pad[lane] += 0.1 * (padded_len - self._pad[lane])
-
-    # ------------------------------------------------------------------ admission
-
-    def queued_work(self, queues: Queues, cfg: SchedulerConfig) -> float:
-        """Predicted seconds to run everything queued, lane by lane in full batches."""
-        co = self.cost.coefficients
-        work = 0.0
-        for i, q in enumerate(queues.lanes):
-            n = len(q)
-            if not n:
-                continue
-            cap = cfg.lanes[i].max_batch
-            pad = self._pad[i]
-            cap = max(1, min(cap, int(cfg.max_batch_tokens // max(pad, 1.0))))
-            full, rest = divmod(n, cap)
-            work += full * co.seconds(cap, pad)
-            if rest:
-                work += co.seconds(rest, pad)
-        return work / self.concurrency
-
-    def admit(
-        self,
-        lengths: Sequence[int],
-        due: float,
-        queues: Queues,
-        cfg: SchedulerConfig,
-        now: float,
-    ) -> LenbatchError | None:
-        """None if a call of `lengths` due at `due` can meet it given the work predicted ahead
-        of it; else the 429/503 (with Retry-After) to answer at once. Never refuses with
-        `shed = late`."""
-        if self.policy.shed is ShedMode.LATE or not lengths:
-            return None
-        ahead = max(0.0, self.backlog_end - now) + self.queued_work(queues, cfg)
-        own = self.cost.seconds(1, max(lengths))
-        if now + ahead + own <= due:
-            return None
-        self.shed_counts["admission"] += 1
-        return self._shed_error(ahead, due - now, own)
-
-    def shed_error(self, r: Request, now: float) -> LenbatchError:
-        """The answer of a queued request shed because it can no longer meet its due time."""
-        due = r.due if r.due is not None else r.arrival + self.slo_of(r.priority)
-        ahead = max(0.0, self.backlog_end - now)
-        return self._shed_error(ahead, due - r.arrival, self.cost.seconds(1, r.length))
-
-    def _shed_error(self, ahead: float, budget: float, own: float) -> LenbatchError:
-        retry = max(0.05, ahead)
-        msg = (
-            f"predicted to miss its deadline: about {ahead * 1000:.0f} ms of work is queued "
-            f"ahead of it and it takes {own * 1000:.0f} ms, over its budget of "
-            f"{max(budget, 0.0) * 1000:.0f} ms; retry in {retry:.2f} s"
-        )
-        if self.policy.shed is ShedMode.REJECT_503:
-            return Unavailable(msg, retry_after=retry, code=_SHED_CODE)
-        return Overloaded(msg, retry_after=retry, code=_SHED_CODE)
+        self.estimates.observe_batch(lane, size, padded_len, seconds)
 
     # ------------------------------------------------------------------ the decision
 
-    def _due(self, r: Request) -> float:
-        return r.due if r.due is not None else r.arrival + self.slo_of(r.priority)
-
-    def _level(self, r: Request, now: float) -> int:
-        top = self.policy.levels - 1
-        if now - r.arrival >= self.policy.aging:
-            return top  # aged: runs as the top level (FIFO among them: it is older)
-        return min(max(r.priority, 0), top)
-
     def _ordered(self, q: deque[Request], now: float, limit: int) -> list[Request]:
         """The first `limit` requests of a lane in service order: by level, FIFO within."""
-        if self.policy.levels > 1:
+        pol = self.policy
+        if pol.levels > 1:
             p0 = q[0].priority
             if any(r.priority != p0 for r in q):  # one level: arrival order is service order
-                ordered = sorted(q, key=lambda r: (-self._level(r, now), r.arrival))
+                ordered = sorted(q, key=lambda r: (-pol.level(r, now), r.arrival))
                 return ordered[:limit]
         return list(islice(q, limit))
 
     def load(self, now: float) -> float:
         """The runner's busy share if every request ran alone: sum over lanes of arrival
         rate x predicted time of one request of the lane's mean length."""
-        co = self.cost.coefficients
-        return sum(self.rate(i, now) * co.seconds(1, n) for i, n in enumerate(self._len))
+        return self.estimates.load(now)
 
     def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
         """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
         the SLO `slo`, filling only while one more row pays (`fill_gain`)."""
         pol = cfg.lanes[lane]
-        pad = self._pad[lane]
+        est = self.estimates
+        pad = est.padded[lane]
         cap = max(1, min(pol.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
-        lam = self._rate[lane]  # as of the lane's last arrival: see `fill_window`
+        lam = est.last_rate[lane]  # as of the lane's last arrival: see `fill_window`
         if lam <= 0:
             return 1
-        co = self.cost.coefficients
+        co = est.cost.coefficients
         budget = _FILL_SHARE * slo
         gain = 1 + self.policy.fill_gain
         best = 1
@@ -307,7 +182,7 @@ class AdaptiveState:
         pol = self.policy
         # The rate as of the lane's last arrival, not decayed to `now`: between arrivals the
         # window stays put, so the timer set for its end finds the lane ready.
-        lam = self._rate[lane]
+        lam = self.estimates.last_rate[lane]
         raw = (target - 1) / lam if target > 1 and lam > 0 else 0.0
         return min(pol.max_wait, max(pol.min_wait, raw))
 
@@ -353,7 +228,7 @@ class AdaptiveState:
                     if len(members) >= cap or new_pad * (len(members) + 1) > budget_tokens:
                         limited = True
                         break
-                    new_due = min(min_due, self._due(r))
+                    new_due = min(min_due, pol.due(r))
                     if members and start + co.seconds(len(members) + 1, new_pad) > new_due:
                         limited = True  # growing further would break a member's due time
                         break
@@ -361,16 +236,16 @@ class AdaptiveState:
                     pad, real, min_due = new_pad, real + r.length, new_due
                 if dead:
                     d.expired.extend(dead)
-                    self._take(queues, dead)
+                    queues.remove_many(dead)
                 if not members:
                     continue
                 n = len(members)
                 limited = limited or n >= cap
                 exec_s = co.seconds(n, pad)
                 latest = min_due - exec_s  # latest feasible start
-                level = max(self._level(r, now) for r in members)
+                level = max(pol.level(r, now) for r in members)
                 head = members[0]
-                target = self.target_batch(i, cfg, now, self._due(head) - head.arrival)
+                target = self.target_batch(i, cfg, now, pol.due(head) - head.arrival)
                 window_s = self.fill_window(i, target, now)
                 self.target[i] = target
                 self.wait[i] = window_s
@@ -396,11 +271,11 @@ class AdaptiveState:
                 d.wake_at = wake if wake < _INF else None
                 return d
             _, lane, members, pad, exec_s = best
-            self._take(queues, members)
+            queues.remove_many(members)
             if pol.merge and lane > 0 and not cfg.lanes[lane].pad_to:
                 exec_s = self._top_up(queues, cfg, lane, members, pad, start, now, d)
             end = start + exec_s
-            self.late += sum(1 for r in members if self._due(r) < end)
+            self.late += sum(1 for r in members if pol.due(r) < end)
             queues.batch_started(lane)
             d.batches.append(Batch(lane, members, pad))
             self.backlog_end = max(now, self.backlog_end) + exec_s / self.concurrency
@@ -410,7 +285,7 @@ class AdaptiveState:
     def _fill_pays(self, co: Any, n: int, pad: int, real: int, lane: int) -> bool:
         """True while one more request of the lane's mean length raises real tokens per
         model-second by at least `fill_gain`."""
-        nxt = self._len[lane]
+        nxt = self.estimates.mean_len[lane]
         new_pad = max(float(pad), nxt)
         now_rate = real / co.seconds(n, pad)
         new_rate = (real + nxt) / co.seconds(n + 1, new_pad)
@@ -432,7 +307,7 @@ class AdaptiveState:
                 if r.deadline is not None and r.deadline <= now:
                     d.expired.append(r)
                     gone.append(r)
-                elif start + co.seconds(1, r.length) > self._due(r):
+                elif start + co.seconds(1, r.length) > self.policy.due(r):
                     if shed_on:
                         d.shed.append(r)
                         gone.append(r)
@@ -443,7 +318,7 @@ class AdaptiveState:
                     break  # the rest is checked when it reaches the head
             if not gone:
                 return window
-            self._take(queues, gone)
+            queues.remove_many(gone)
             if not q:
                 return []
 
@@ -462,7 +337,7 @@ class AdaptiveState:
         the batch's predicted seconds."""
         co = self.cost.coefficients
         cap = cfg.lanes[lane].max_batch
-        min_due = min(self._due(r) for r in members)
+        min_due = min(self.policy.due(r) for r in members)
         exec_s = co.seconds(len(members), pad)
         for j in range(lane - 1, -1, -1):
             q = queues.lanes[j]
@@ -481,7 +356,7 @@ class AdaptiveState:
                 grown = co.seconds(n + 1, pad)
                 own_pad = max(x.length for x in window[len(taken) :])
                 own_share = co.seconds(left, own_pad) / left
-                new_due = min(min_due, self._due(r))
+                new_due = min(min_due, self.policy.due(r))
                 if grown - exec_s >= own_share or start + grown > new_due:
                     break
                 members.append(r)
@@ -491,37 +366,10 @@ class AdaptiveState:
                 d.merges.append((j, lane))
                 self.merges[(j, lane)] = self.merges.get((j, lane), 0) + 1
             if taken:
-                self._take(queues, taken)
+                queues.remove_many(taken)
             if len(taken) < len(window):
                 break  # this lane stopped paying: the lanes below it would pay even less
         return exec_s
-
-    @staticmethod
-    def _take(queues: Queues, requests: list[Request]) -> None:
-        """Remove `requests` from their lanes (fast when they are a lane's head, in order)."""
-        by_lane: dict[int, list[Request]] = {}
-        for r in requests:
-            by_lane.setdefault(r.lane, []).append(r)
-        for lane, rs in by_lane.items():
-            q = queues.lanes[lane]
-            k = 0
-            for r in rs:
-                if k < len(q) and q[k] is r:
-                    k += 1
-                else:
-                    break
-            present: int
-            if k == len(rs):
-                for _ in range(k):
-                    q.popleft()
-                present = k
-            else:
-                ids = {id(r) for r in rs}
-                kept = [r for r in q if id(r) not in ids]
-                present = len(q) - len(kept)
-                q.clear()
-                q.extend(kept)
-            queues.size -= present
 
     # ------------------------------------------------------------------ what /stats shows
 
@@ -548,9 +396,9 @@ class AdaptiveState:
                     "arrival_rate": self.rate(i, now),
                     "target_batch": self.target[i],
                     "fill_window_ms": self.wait[i] * 1000,
-                    "padded_len": self._pad[i],
+                    "padded_len": self.estimates.padded[i],
                 }
-                for i in range(len(self._rate))
+                for i in range(self.estimates.lanes)
             ],
             "cost_model": self.cost.describe(),
             "merges": [

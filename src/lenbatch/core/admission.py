@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lenbatch.config import AdmissionConfig, SchedulerConfig
+from lenbatch.config import AdmissionConfig
 from lenbatch.core.errors import InputTooLong, LenbatchError, Overloaded
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
 
 __all__ = ["Admission", "TokenBucket"]

@@ -21,13 +21,10 @@ __all__ = ["Collated", "Packed", "collate", "pack", "pack_collated"]
 PadSide = Literal["right", "left"]
 
 
-@dataclass(frozen=True, slots=True)
-class Collated:
-    """A padded batch: `[batch, padded_len]` int64 arrays plus the token accounting."""
+class _TokenAccounting:
+    """The counts a padded and a packed batch share, from their rows' lengths."""
 
-    input_ids: npt.NDArray[np.int64]
-    attention_mask: npt.NDArray[np.int64]
-    position_ids: npt.NDArray[np.int64] | None
+    __slots__ = ()
     lengths: tuple[int, ...]
 
     @property
@@ -36,25 +33,40 @@ class Collated:
         return len(self.lengths)
 
     @property
-    def width(self) -> int:
-        """The padded length."""
-        return int(self.input_ids.shape[1])
-
-    @property
     def real_tokens(self) -> int:
         """Tokens that carry input."""
         return sum(self.lengths)
 
     @property
     def padded_tokens(self) -> int:
-        """Tokens the model computes: batch x padded length."""
-        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
+        """Tokens the model computes."""
+        raise NotImplementedError
 
     @property
     def padding_waste(self) -> float:
         """1 - real / padded tokens."""
         padded = self.padded_tokens
         return 1.0 - self.real_tokens / padded if padded else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Collated(_TokenAccounting):
+    """A padded batch: `[batch, padded_len]` int64 arrays plus the token accounting."""
+
+    input_ids: npt.NDArray[np.int64]
+    attention_mask: npt.NDArray[np.int64]
+    position_ids: npt.NDArray[np.int64] | None
+    lengths: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        """The padded length."""
+        return int(self.input_ids.shape[1])
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the model computes: batch x padded length."""
+        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
 
 
 def collate(
@@ -95,7 +107,7 @@ def collate(
 
 
 @dataclass(frozen=True, slots=True)
-class Packed:
+class Packed(_TokenAccounting):
     """A padding-free batch: every row's tokens end to end, `[tokens]`, plus the layout that
     puts them back into rows for attention.
 
@@ -112,11 +124,6 @@ class Packed:
     lengths: tuple[int, ...]
 
     @property
-    def rows(self) -> int:
-        """Sequences in the batch."""
-        return len(self.lengths)
-
-    @property
     def width(self) -> int:
         """The longest row: attention's padded width."""
         return max(self.lengths)
@@ -127,24 +134,15 @@ class Packed:
         return min(self.lengths) == max(self.lengths)
 
     @property
-    def real_tokens(self) -> int:
-        """Tokens that carry input."""
-        return int(self.input_ids.shape[0])
-
-    @property
     def padded_tokens(self) -> int:
-        """Tokens the token-wise layers compute: the real ones (attention apart)."""
+        """Tokens the token-wise layers compute: the real ones (attention apart), so its
+        padding waste is 0."""
         return self.real_tokens
 
     @property
     def attention_tokens(self) -> int:
         """Query positions attention computes over: rows x width."""
         return self.rows * self.width
-
-    @property
-    def padding_waste(self) -> float:
-        """0: a packed batch computes no padding in its token-wise layers."""
-        return 0.0
 
 
 def pack(sequences: Sequence[Sequence[int]]) -> Packed:

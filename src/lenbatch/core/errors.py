@@ -43,45 +43,39 @@ class LenbatchError(Exception):
         if code is not None:
             self.code = code
 
+    def __init_subclass__(
+        cls, *, status: int | None = None, code: str | None = None, kind: str | None = None
+    ) -> None:
+        # A subclass states its answer in its header: `class X(LenbatchError, status=400, ...)`.
+        super().__init_subclass__()
+        if status is not None:
+            cls.status = status
+        if code is not None:
+            cls.code = code
+        if kind is not None:
+            cls.kind = kind
 
-class BadInput(LenbatchError):
+
+class BadInput(LenbatchError, status=400, code="invalid_input", kind="invalid_request_error"):
     """The request is malformed (wrong type, empty, out-of-vocabulary ids, ...)."""
 
-    status = 400
-    code = "invalid_input"
-    kind = "invalid_request_error"
 
-
-class ModelNotFound(LenbatchError):
+class ModelNotFound(
+    LenbatchError, status=404, code="model_not_found", kind="invalid_request_error"
+):
     """The request names a model this server does not serve."""
 
-    status = 404
-    code = "model_not_found"
-    kind = "invalid_request_error"
 
-
-class InputTooLong(LenbatchError):
+class InputTooLong(LenbatchError, status=413, code="input_too_long", kind="invalid_request_error"):
     """An input (or a call) is larger than the model, or any budget, can ever take."""
 
-    status = 413
-    code = "input_too_long"
-    kind = "invalid_request_error"
 
-
-class Overloaded(LenbatchError):
+class Overloaded(LenbatchError, status=429, code="overloaded", kind="rate_limit_error"):
     """A queue or rate limit is full; try again after `retry_after` seconds."""
 
-    status = 429
-    code = "overloaded"
-    kind = "rate_limit_error"
 
-
-class Unavailable(LenbatchError):
+class Unavailable(LenbatchError, status=503, code="unavailable", kind="server_error"):
     """The server is draining or its runner has failed."""
-
-    status = 503
-    code = "unavailable"
-    kind = "server_error"
 
 
 def draining() -> Unavailable:
@@ -101,28 +95,16 @@ def drain_timed_out(timeout: float | None) -> Unavailable:
     )
 
 
-class OutOfMemory(LenbatchError):
+class OutOfMemory(LenbatchError, status=503, code="out_of_memory", kind="server_error"):
     """The model ran out of memory even on this input alone; memory may free up later."""
 
-    status = 503
-    code = "out_of_memory"
-    kind = "server_error"
 
-
-class DeadlineExceeded(LenbatchError):
+class DeadlineExceeded(LenbatchError, status=504, code="deadline_exceeded", kind="timeout_error"):
     """The request's deadline passed before it could run."""
 
-    status = 504
-    code = "deadline_exceeded"
-    kind = "timeout_error"
 
-
-class ModelFailed(LenbatchError):
+class ModelFailed(LenbatchError, status=500, code="model_error", kind="server_error"):
     """The model raised on this input."""
-
-    status = 500
-    code = "model_error"
-    kind = "server_error"
 
 
 class RunnerCrashed(Exception):

@@ -4,6 +4,10 @@ Lanes are the scheduler's queues: a single one for `static`, `fifo` and `sorted`
 length bucket plus the overlong lane for `bucketed`. The queues also count the batches each
 lane has running or prepared, because the scheduler needs both to decide (free runner slots,
 the overlong lane's quota). Pure bookkeeping: no clock, no asyncio.
+
+`Queues` is the only writer of its lanes and counters: the scheduler reads `lanes`, `size` and
+`inflight` to decide, then takes what it decided on out with `remove_front` (a lane's head) or
+`remove_many` (any requests), and puts back what it did not use with `push_front`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 
-from lenbatch.config import SchedulerConfig
+from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.request import Request
 
 __all__ = ["Queues"]
@@ -50,6 +54,49 @@ class Queues:
         for r in reversed(requests):
             self.lanes[r.lane].appendleft(r)
         self.size += len(requests)
+
+    def remove_front(self, lane: int, n: int) -> None:
+        """Take the first `n` requests out of `lane`: those the caller has just read at the
+        head of `lanes[lane]` and batched or found expired."""
+        q = self.lanes[lane]
+        if n > len(q):
+            raise RuntimeError(f"bug: {n} requests taken from lane {lane} holding {len(q)}")
+        self.size -= n
+        if n == len(q):
+            q.clear()
+            return
+        popleft = q.popleft
+        while n:
+            popleft()
+            n -= 1
+
+    def remove_many(self, requests: list[Request]) -> int:
+        """Take `requests` out of their lanes (fast when they are a lane's head, in order);
+        returns how many were queued. Requests no longer queued are passed over."""
+        by_lane: dict[int, list[Request]] = {}
+        for r in requests:
+            by_lane.setdefault(r.lane, []).append(r)
+        removed = 0
+        for lane, rs in by_lane.items():
+            q = self.lanes[lane]
+            k = 0
+            for r in rs:
+                if k < len(q) and q[k] is r:
+                    k += 1
+                else:
+                    break
+            if k == len(rs):
+                for _ in range(k):
+                    q.popleft()
+                removed += k
+            else:
+                ids = {id(r) for r in rs}
+                kept = [r for r in q if id(r) not in ids]
+                removed += len(q) - len(kept)
+                q.clear()
+                q.extend(kept)
+        self.size -= removed
+        return removed
 
     def remove(self, request: Request) -> bool:
         """Take a waiting request out (cancelled or expired); False if it is no longer queued."""

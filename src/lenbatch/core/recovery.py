@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lenbatch.config import SchedulerConfig
+from lenbatch.core.lanes import SchedulerConfig
 
 __all__ = ["BatchCaps"]
 

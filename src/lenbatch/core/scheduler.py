@@ -25,58 +25,17 @@ chunk holding the oldest request runs first and unused requests go back in arriv
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from lenbatch.config import LanePolicy, SchedulerConfig, Strategy
+from lenbatch.config import Strategy
+from lenbatch.core.adaptive import AdaptiveState
+from lenbatch.core.batch import Batch, Decision
+from lenbatch.core.lanes import LanePolicy, SchedulerConfig
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 
-if TYPE_CHECKING:
-    from lenbatch.core.adaptive import AdaptiveState
-
-__all__ = ["Batch", "Decision", "schedule"]
+__all__ = ["schedule"]
 
 _INF = float("inf")
-
-
-@dataclass(slots=True)
-class Batch:
-    """Requests that run together, all padded to `padded_len` tokens."""
-
-    lane: int
-    requests: list[Request]
-    padded_len: int
-
-    @property
-    def size(self) -> int:
-        """Number of requests."""
-        return len(self.requests)
-
-    @property
-    def real_tokens(self) -> int:
-        """Tokens that carry input."""
-        return sum(r.length for r in self.requests)
-
-    @property
-    def padded_tokens(self) -> int:
-        """Tokens the model computes: size x padded length."""
-        return len(self.requests) * self.padded_len
-
-
-@dataclass(slots=True)
-class Decision:
-    """What to do now: batches to run, requests that expired, and when to ask again.
-
-    `adaptive` also sheds (`shed`: answer each at once, predicted to miss its deadline) and
-    merges (`merges`: one `(from_lane, to_lane)` per request that joined a longer lane's batch).
-    """
-
-    batches: list[Batch] = field(default_factory=list)
-    wake_at: float | None = None
-    expired: list[Request] = field(default_factory=list)
-    shed: list[Request] = field(default_factory=list)
-    merges: list[tuple[int, int]] = field(default_factory=list)
 
 
 def schedule(
@@ -167,26 +126,27 @@ def _take_fifo(
     queues: Queues, lane: int, now: float, cfg: SchedulerConfig, decision: Decision
 ) -> int:
     """Emit one batch from the head of `lane` (FIFO); returns the number of batches emitted."""
-    q = queues.lanes[lane]
     pol = cfg.lanes[lane]
     budget = cfg.max_batch_tokens
     max_batch = pol.max_batch
     pad_to = pol.pad_to
     taken: list[Request] = []
     pad = 0
-    expired = 0
-    while q and len(taken) < max_batch:
-        r = q[0]
+    read = 0  # requests read from the head: taken or expired
+    for r in queues.lanes[lane]:
+        if len(taken) >= max_batch:
+            break
         if r.deadline is not None and r.deadline <= now:
-            decision.expired.append(q.popleft())
-            expired += 1
+            decision.expired.append(r)
+            read += 1
             continue
         new_pad = pad_to or (r.length if r.length > pad else pad)
         if taken and new_pad * (len(taken) + 1) > budget:
             break
-        taken.append(q.popleft())
+        taken.append(r)
+        read += 1
         pad = new_pad
-    queues.size -= len(taken) + expired
+    queues.remove_front(lane, read)
     if not taken:
         return 0
     queues.batch_started(lane)
@@ -198,18 +158,19 @@ def _cut_sorted(
     queues: Queues, lane: int, now: float, cfg: SchedulerConfig, free: int, decision: Decision
 ) -> int:
     """Sort a window of the lane by length, cut it into batches, emit up to `free` of them."""
-    q = queues.lanes[lane]
     pol = cfg.lanes[lane]
+    size = cfg.sorted_window
     window: list[Request] = []
-    expired = 0
-    while q and len(window) < cfg.sorted_window:
-        r = q.popleft()
+    read = 0  # requests read from the head: in the window or expired
+    for r in queues.lanes[lane]:
+        if len(window) >= size:
+            break
+        read += 1
         if r.deadline is not None and r.deadline <= now:
             decision.expired.append(r)
-            expired += 1
         else:
             window.append(r)
-    queues.size -= len(window) + expired
+    queues.remove_front(lane, read)
     if not window:
         return 0
     if len(window) == 1:  # common at light load: nothing to sort or cut

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from lenbatch.core.batch import Batch
 from lenbatch.core.collate import Collated, Packed, collate, pack
 from lenbatch.core.errors import ModelFailed, OutOfMemory, RunnerCrashed, is_out_of_memory
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch
 from lenbatch.runners.base import PackedEmbeddingRunner
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.lifecycle import EngineState

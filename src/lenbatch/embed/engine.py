@@ -33,6 +33,7 @@ from lenbatch.config import (
     Strategy,
 )
 from lenbatch.core.adaptive import AdaptiveState, build_state
+from lenbatch.core.batch import Batch
 from lenbatch.core.clock import Clock
 from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.errors import (
@@ -43,7 +44,7 @@ from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
 from lenbatch.core.refit import BoundarySwap, Fitter, Refitter, build_refitter, optimal_bounds
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import Batch, schedule
+from lenbatch.core.scheduler import schedule
 from lenbatch.embed.batches import BatchRunner
 from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
 from lenbatch.runners.base import EmbeddingRunner

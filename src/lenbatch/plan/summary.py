@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lenbatch.core.totals import percentile
+
 __all__ = ["OUTCOME_ERROR", "OUTCOME_OK", "OUTCOME_REJECTED", "SUMMARY_KEYS", "summarize"]
 
 OUTCOME_OK = 0
@@ -32,9 +34,7 @@ SUMMARY_KEYS = (
 
 
 def _pct(ms: npt.NDArray[np.float64], q: float) -> float | None:
-    if ms.size == 0:
-        return None
-    return float(np.percentile(ms, q, method="inverted_cdf"))  # nearest rank
+    return percentile(ms, q) if ms.size else None
 
 
 def summarize(

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lenbatch.core.totals import percentile
 from lenbatch.runners.memory import peak_rss
 
 __all__ = ["BucketWork", "Metrics", "bucket_totals", "bucket_work", "percentile"]
@@ -28,13 +28,6 @@ _LATENCY_BUCKETS = (
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _WASTE_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 _WINDOW = 10_000
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (an observed value), as the project reports everywhere."""
-    if not values:
-        return float("nan")
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q, method="inverted_cdf"))
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""What the `adaptive` strategy learns from the traffic it sees: the online cost model (batch
+seconds by shape) and, per lane, the arrival rate, the mean request length and the padded length
+its batches reach. Pure: the caller's clock stamps every observation.
+
+The decisions (`core.adaptive`) and the admission side (`core.shedding`) read these estimates;
+only the engine's (or simulator's) observations write them: `on_arrival` per admitted request,
+`observe_batch` per finished batch, `reset` when the lanes change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lenbatch.core.costfit import OnlineCostModel
+from lenbatch.core.lanes import SchedulerConfig
+
+__all__ = ["LaneEstimates"]
+
+
+class LaneEstimates:
+    """The online cost model plus per-lane rates and lengths, for one `SchedulerConfig`."""
+
+    def __init__(self, cost: OnlineCostModel, rate_window: float, cfg: SchedulerConfig) -> None:
+        self.cost = cost
+        self.rate_window = rate_window  # time constant of the arrival-rate average (s)
+        self.reset(cfg)
+
+    def reset(self, cfg: SchedulerConfig) -> None:
+        """Start per-lane estimates afresh for `cfg`'s lanes (start-up, or after a re-fit)."""
+        n = len(cfg.lanes)
+        self.last_rate = [0.0] * n  # arrival rate as of each lane's last arrival (req/s)
+        self.last_arrival = [0.0] * n
+        self.padded = [float(p.upper) for p in cfg.lanes]  # padded length batches reach
+        self.mean_len = [float(p.upper) / 2 for p in cfg.lanes]  # mean request length
+
+    @property
+    def lanes(self) -> int:
+        """Number of lanes estimated."""
+        return len(self.last_rate)
+
+    def on_arrival(self, lane: int, length: int, now: float) -> None:
+        """A request of `length` tokens joined `lane` at `now` (updates its arrival rate)."""
+        tau = self.rate_window
+        self.last_rate[lane] = (
+            self.last_rate[lane] * math.exp(-(now - self.last_arrival[lane]) / tau) + 1 / tau
+        )
+        self.last_arrival[lane] = now
+        self.mean_len[lane] += 0.05 * (length - self.mean_len[lane])
+
+    def rate(self, lane: int, now: float) -> float:
+        """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
+        dt = max(0.0, now - self.last_arrival[lane])
+        return self.last_rate[lane] * math.exp(-dt / self.rate_window)
+
+    def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
+        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
+        self.cost.observe(size, padded_len, seconds)
+        if 0 <= lane < len(self.padded):
+            self.padded[lane] += 0.1 * (padded_len - self.padded[lane])
+
+    def load(self, now: float) -> float:
+        """The runner's busy share if every request ran alone: sum over lanes of arrival
+        rate x predicted time of one request of the lane's mean length."""
+        co = self.cost.coefficients
+        return sum(self.rate(i, now) * co.seconds(1, n) for i, n in enumerate(self.mean_len))
