@@ -27,7 +27,10 @@ def render() -> str:
     out = [HEADER]
     for section, field in Settings.model_fields.items():
         model = field.annotation
-        assert isinstance(model, type) and issubclass(model, BaseModel)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            # a list of tables (`[[models]]`): its entries' fields are documented above
+            out += [f"## `[[{section}]]`", "", (field.description or "").strip(), ""]
+            continue
         out += [
             f"## `[{section}]`",
             "",
@@ -38,7 +41,8 @@ def render() -> str:
         ]
         for name, f in model.model_fields.items():
             default = getattr(f.default, "value", f.default)
-            out.append(f"| `{name}` | `{default!r}` | {(f.description or '').strip()} |")
+            meaning = " ".join((f.description or "").split())  # a table cell is one line
+            out.append(f"| `{name}` | `{default!r}` | {meaning} |")
         out.append("")
     return "\n".join(out)
 

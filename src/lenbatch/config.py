@@ -27,6 +27,8 @@ __all__ = [
     "DecodeMode",
     "GenerationConfig",
     "ModelConfig",
+    "ModelTask",
+    "Quantization",
     "RecoveryConfig",
     "ServerConfig",
     "Settings",
@@ -220,13 +222,40 @@ class AdaptiveConfig(BaseModel):
         return self
 
 
+class ModelTask(StrEnum):
+    """What a served model does, which decides its routes and its runner."""
+
+    AUTO = "auto"  # from the model folder's config.json (see `runners.tasks.resolve_task`)
+    EMBED = "embed"  # /v1/embeddings
+    GENERATE = "generate"  # /v1/completions and /v1/chat/completions (a causal LM)
+    SCORE = "score"  # one relevance score per (query, document) pair (a cross-encoder)
+    CLASSIFY = "classify"  # labels and their probabilities per input
+
+
+class Quantization(StrEnum):
+    """How a model's weights are stored, apart from the float type of its activations."""
+
+    NONE = "none"  # the weights in the model's float type (`dtype`)
+    INT8 = "int8"  # 8-bit integer weights (no runner implements it yet: refused at start-up)
+    INT4 = "int4"  # 4-bit integer weights (no runner implements it yet: refused at start-up)
+
+
 class ModelConfig(BaseModel):
-    """Which model to serve and how to run it."""
+    """Which model to serve and how to run it: the `[model]` table, or one `[[models]]` entry."""
 
     model_config = _FROZEN
 
     name: str = "minilm"
-    """`minilm` (the bundled all-MiniLM-L6-v2) or a path to a local Hugging Face model folder."""
+    """`minilm` (the bundled all-MiniLM-L6-v2), `smollm2` (the demo causal LM), a path to a
+    local Hugging Face model folder, or a .gguf file."""
+    served_name: str | None = None
+    """The `model` name clients call it by and responses report (None: the built-in model's
+    name, or the folder's or file's name). For a single model, `[server] served_model_name`
+    sets it too."""
+    task: ModelTask = ModelTask.AUTO
+    """embed, generate, score, classify, or auto: from the folder's config.json (a causal LM
+    generates; `*ForSequenceClassification` scores with one label, else classifies; any other
+    model embeds)."""
     truncate: bool = False
     """Default for requests that do not say: truncate inputs over the model limit (else: error)."""
     max_length: int | None = Field(None, ge=1)
@@ -238,15 +267,23 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
+    quantization: Quantization = Quantization.NONE
+    """Weight quantization, apart from `dtype`: none, int8 or int4. A runner that does not
+    implement the one asked for refuses to start (no runner implements int8 or int4 yet)."""
     cost_model: str | None = None
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
-    (the one in `$LENBATCH_COST_DIR`, default `bench/results/`, measured on this processor) or
-    a live adaptive server's URL (its online fit); serve warns at start-up when a file was
-    measured on another processor (or does not say)."""
+    (the one in `$LENBATCH_COST_DIR`, default the source checkout's `bench/results/`, measured
+    on this processor) or a live adaptive server's URL (its online fit); serve warns at
+    start-up when a file was measured on another processor (or does not say)."""
     execution: Literal["auto", "padded", "packed"] = "auto"
     """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
     tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`
     (packed where the model supports it, else padded)."""
+
+    def default_served_name(self) -> str:
+        """The served name when none is given, as far as the config can tell: the folder's or
+        file's name (`.gguf` dropped). A built-in model reports its own name at run time."""
+        return Path(self.name).expanduser().name.removesuffix(".gguf") or self.name
 
 
 class ServerConfig(BaseModel):
@@ -344,17 +381,78 @@ class GenerationConfig(BaseModel):
 
 
 class Settings(BaseModel):
-    """Everything `lenbatch serve` runs with."""
+    """Everything `lenbatch serve` runs with.
+
+    One model is `[model]`; several are `[[models]]` tables (a list in YAML), each with the
+    fields of `[model]`. Give one or the other: `served_models()` returns the list either way.
+    """
 
     model_config = _FROZEN
 
     model: ModelConfig = ModelConfig()
+    """The one model served (`[model]`)."""
+    models: tuple[ModelConfig, ...] = ()
+    """Several models in one process: `[[models]]` tables (a list in YAML), each with the
+    fields of `[model]`. Give `[model]` or `[[models]]`, not both; each model is served under
+    its own name (`served_name`, else the folder's name), so those must differ. A list of one
+    is the same as `[model]`; `lenbatch serve` refuses more than one until it serves them.
+    `task = "auto"` is told from each folder's config.json when the server starts."""
     batching: BatchingConfig = BatchingConfig()
     server: ServerConfig = ServerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     generation: GenerationConfig = GenerationConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
+
+    @model_validator(mode="after")
+    def _one_way_to_name_models(self) -> Settings:
+        if not self.models:
+            single = self.model.served_name
+            other = self.server.served_model_name
+            if single is not None and other is not None and single != other:
+                raise ValueError(
+                    f"[model] served_name={single!r} and [server] served_model_name={other!r} "
+                    "name the one model twice: give one"
+                )
+            return self
+        if self.model.model_fields_set:
+            given = ", ".join(sorted(self.model.model_fields_set))
+            raise ValueError(
+                f"[model] ({given}) and [[models]] are both given: list every model in "
+                "[[models]] (the --model, --dtype, --quantize ... flags and LENBATCH_MODEL__* "
+                "variables set [model] too)"
+            )
+        if self.server.served_model_name is not None:
+            raise ValueError(
+                f"[server] served_model_name={self.server.served_model_name!r} names the one "
+                "model of [model]: with [[models]], set served_name in each [[models]] table"
+            )
+        seen: dict[str, str] = {}
+        for m in self.models:
+            served = m.served_name or m.default_served_name()
+            if served in seen:
+                how = "served_name" if m.served_name else "name, without served_name,"
+                raise ValueError(
+                    f"[[models]] {seen[served]!r} and {m.name!r} are both served as "
+                    f"{served!r} (the second by its {how}): give each a distinct served_name"
+                )
+            seen[served] = m.name
+        return self
+
+    def served_models(self) -> tuple[ModelConfig, ...]:
+        """The models to serve, one per entry: the `[[models]]` list, or `[model]` alone
+        (with `[server] served_model_name` as its `served_name` when that is the one given)."""
+        if self.models:
+            return self.models
+        if self.model.served_name is None and self.server.served_model_name is not None:
+            return (self.model.model_copy(update={"served_name": self.server.served_model_name}),)
+        return (self.model,)
+
+    def for_model(self, model: ModelConfig) -> Settings:
+        """These settings serving `model` alone (as `[model]`, its served name in `[server]`
+        too): what a single-model server runs with, from an entry of `served_models()`."""
+        server = self.server.model_copy(update={"served_model_name": model.served_name})
+        return self.model_copy(update={"model": model, "models": (), "server": server})
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -384,6 +482,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         section, _, field = key[len("LENBATCH_") :].lower().partition("__")
         if section not in Settings.model_fields:
             raise ValueError(f"{key}: unknown section {section!r}")
+        if section == "models":
+            raise ValueError(f"{key}: [[models]] is a list of tables: set it in a config file")
         parsed: Any = value
         if field in _LIST_FIELDS:
             parsed = [v.strip() for v in value.split(",") if v.strip()]

@@ -10,15 +10,16 @@ import pytest
 
 from lenbatch.cli.common import load_cost_model, pin_cost_spec
 from lenbatch.plan.costmodel import CostModel
-from lenbatch.plan.costsource import choose_cost_file, cost_from_stats
+from lenbatch.plan.costsource import choose_auto, choose_cost_file, cost_folders, cost_from_stats
 from lenbatch.runners import hardware
 
-HERE = "cpu:Test CPU family 1 x2"
+HERE = "cpu:Test CPU [TestVendor family 1 model 2; avx2] x2"
+OTHER = "cpu:Other CPU [TestVendor family 1 model 3; avx2] x2"
 
 
 def _fake_key(device: str = "cpu", threads: int | None = None) -> str:
     """This machine's key, as `processor_key`: 2 torch threads unless told otherwise."""
-    return f"cpu:Test CPU family 1 x{threads or 2}"
+    return f"cpu:Test CPU [TestVendor family 1 model 2; avx2] x{threads or 2}"
 
 
 def _write(folder: Path, name: str, const: float, **kw: str) -> Path:
@@ -32,7 +33,7 @@ def costs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder with cost models of two processors, a keyless old one and a non-cost JSON."""
     monkeypatch.setattr(hardware, "processor_key", _fake_key)
     monkeypatch.setenv("LENBATCH_COST_DIR", str(tmp_path))
-    _write(tmp_path, "other_cpu.json", 0.5, processor="cpu:Other CPU x2", dtype="bfloat16")
+    _write(tmp_path, "other_cpu.json", 0.5, processor=OTHER, dtype="bfloat16")
     _write(tmp_path, "old.json", 0.4)
     _write(tmp_path, "here_fp32.json", 0.1, processor=HERE, dtype="float32", execution="padded")
     _write(tmp_path, "here_bf16.json", 0.2, processor=HERE, dtype="bfloat16", execution="packed")
@@ -86,8 +87,8 @@ def test_no_match_is_an_error_naming_what_exists(
     msg = str(exc.value)
     for name in ("other_cpu.json", "old.json", "here_fp32.json", "here_bf16.json"):
         assert name in msg
-    assert "cpu:Other CPU x2" in msg and "no processor key" in msg
-    assert "cpu:Test CPU family 1 x1" in msg and "ray_overhead" not in msg
+    assert OTHER in msg and "no processor key" in msg
+    assert _fake_key(threads=1) in msg and "ray_overhead" not in msg
     monkeypatch.setenv("LENBATCH_COST_DIR", str(costs / "missing"))
     with pytest.raises(ValueError, match="does not exist"):
         load_cost_model("auto")
@@ -121,3 +122,38 @@ def test_stats_without_an_online_model_are_refused() -> None:
     }
     with pytest.raises(ValueError, match="no batch yet"):
         cost_from_stats(prior_only, "http://h:1")
+
+
+def test_an_older_key_equal_to_this_one_is_not_taken(costs: Path) -> None:
+    """A file whose key is in the older form (no model number, no ISA flags) is not taken
+    even when its text equals the key asked for; the error says why such keys never match."""
+    legacy = "cpu:Test CPU family 1 x2"
+    _write(costs, "legacy.json", 0.3, processor=legacy)
+    with pytest.raises(ValueError, match="never matches"):
+        choose_cost_file(costs, legacy)
+
+
+def test_quantization_is_part_of_the_match(costs: Path) -> None:
+    """A cost model of int8 weights describes only int8: `auto` asked for none skips it."""
+    _write(costs, "here_int8.json", 0.05, processor=HERE, dtype="float32", quantization="int8")
+    path, _ = choose_cost_file(costs, HERE, dtype="float32", quantization="int8")
+    assert path.name == "here_int8.json"
+    path, _ = choose_cost_file(costs, HERE, dtype="float32", quantization="none")
+    assert path.name == "here_fp32.json"
+    with pytest.raises(ValueError, match="quantization int4"):
+        choose_cost_file(costs, HERE, quantization="int4")
+
+
+def test_the_default_folder_is_found_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without $LENBATCH_COST_DIR, `auto` reads the checkout's bench/results/ whatever the
+    current directory: from an empty one, the error lists the committed cost files."""
+    monkeypatch.delenv("LENBATCH_COST_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    checkout = Path(__file__).resolve().parents[2] / "bench" / "results"
+    assert cost_folders() == (checkout,)
+    assert cost_folders({"LENBATCH_COST_DIR": str(tmp_path)}) == (tmp_path,)
+    with pytest.raises(ValueError) as exc:
+        choose_auto(HERE)
+    assert str(checkout) in str(exc.value) and "cost_minilm" in str(exc.value)

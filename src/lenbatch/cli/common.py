@@ -15,6 +15,7 @@ __all__ = [
     "adaptive_overrides",
     "add_adaptive_options",
     "add_batching_options",
+    "add_quantize_option",
     "add_trace_options",
     "batching_overrides",
     "int_list",
@@ -59,6 +60,16 @@ def add_batching_options(p: argparse.ArgumentParser) -> None:
         "--max-batch-tokens",
         type=int,
         help="batch token budget: size x padded length (default 8192)",
+    )
+
+
+def add_quantize_option(p: argparse.ArgumentParser) -> None:
+    """`--quantize`: the model's weight quantization, apart from `--dtype`."""
+    p.add_argument(
+        "--quantize",
+        choices=["none", "int8", "int4"],
+        help="weight quantization, apart from --dtype (default none); a runner that does not "
+        "implement the one asked for refuses to start: none implements int8 or int4 yet",
     )
 
 
@@ -240,8 +251,9 @@ def load_cost_model(
     threads: int | None = None,
 ) -> CostModel:
     """Read the cost model `--cost` names: a JSON file, `auto` (the file in
-    `LENBATCH_COST_DIR`, default `bench/results/`, measured on this processor; see
-    `lenbatch.plan.costsource`) or a live server's URL (strategy adaptive's online fit).
+    `LENBATCH_COST_DIR`, default the source checkout's `bench/results/`, measured on this
+    processor; see `lenbatch.plan.costsource`) or a live server's URL (strategy adaptive's
+    online fit).
     `threads` is the torch thread count the command runs the model with (part of the key).
     Says on stderr which one was taken and why (with `warn`), and warns when a file was
     measured on another processor than this one, whose latencies it then does not describe."""
@@ -280,7 +292,8 @@ def pin_cost_spec(
 
 COST_HELP = (
     "cost model: a JSON file (`lenbatch profile` or `calibrate` output), 'auto' (the file in "
-    "$LENBATCH_COST_DIR, default bench/results/, measured on this processor: exact processor "
-    "key incl. torch threads, preferring the dtype/execution run and a calibrated one), or a "
-    "live server's URL http://HOST:PORT (strategy adaptive's online-fitted model from /stats)"
+    "$LENBATCH_COST_DIR, default the source checkout's bench/results/, measured on this "
+    "processor: same CPU model number, ISA flags and torch threads, preferring the "
+    "dtype/execution run and a calibrated one), or a live server's URL http://HOST:PORT "
+    "(strategy adaptive's online-fitted model from /stats)"
 )

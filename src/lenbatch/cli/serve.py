@@ -11,9 +11,18 @@ from lenbatch.cli.common import (
     adaptive_overrides,
     add_adaptive_options,
     add_batching_options,
+    add_quantize_option,
     batching_overrides,
 )
-from lenbatch.config import DecodeMode, Settings, Strategy, load_settings
+from lenbatch.config import (
+    DecodeMode,
+    ModelConfig,
+    ModelTask,
+    Quantization,
+    Settings,
+    Strategy,
+    load_settings,
+)
 
 log = logging.getLogger("lenbatch")
 
@@ -100,6 +109,7 @@ def register(sub: Any) -> None:
         help="model float type (default auto: bfloat16 where the hardware runs it natively, "
         "else float32); the start-up log says what was picked and why",
     )
+    add_quantize_option(p)
     p.add_argument(
         "--execution",
         choices=["auto", "padded", "packed"],
@@ -111,7 +121,8 @@ def register(sub: Any) -> None:
         "--cost",
         metavar="FILE|auto|URL",
         help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`; "
-        "'auto': the one in $LENBATCH_COST_DIR, default bench/results/, measured on this "
+        "'auto': the one in $LENBATCH_COST_DIR, default the checkout's bench/results/, "
+        "measured on this "
         "processor with this dtype/execution; or a live adaptive server's URL, its online "
         "fit): seeds adaptive's online cost model (without it: a generic CPU guess, then "
         "learned from the engine's own batches); start-up warns when it was measured on "
@@ -166,6 +177,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "truncate": args.truncate,
             "device": args.device,
             "dtype": args.dtype,
+            "quantization": args.quantize,
             "execution": args.execution,
             "cost_model": args.cost,
         },
@@ -194,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, build the engine and app, and run uvicorn until stopped."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = settings_from_args(args)
+    settings = settings.for_model(_one_model(settings))
+    _check_task_and_quantization(settings.model)
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -252,6 +266,45 @@ def run(args: argparse.Namespace) -> int:
     log.info(engine.describe())
     serve(engine, settings)
     return 0
+
+
+def _one_model(settings: Settings) -> ModelConfig:
+    """The one model a config names; several (`[[models]]`) are refused, naming them."""
+    models = settings.served_models()
+    if len(models) > 1:
+        names = ", ".join(repr(m.served_name or m.name) for m in models)
+        raise ValueError(
+            f"the config lists {len(models)} models ({names}): serving several models in one "
+            "process is not implemented yet; give one [model] (or one [[models]] entry)"
+        )
+    return models[0]
+
+
+def _check_task_and_quantization(m: ModelConfig) -> None:
+    """Refuse, before loading, a task this server does not serve for the model and a
+    quantization its runner does not implement (neither is ever silently ignored)."""
+    task = m.task
+    quantized = m.quantization is not Quantization.NONE
+    if task is ModelTask.AUTO and not quantized:
+        return
+    from lenbatch.runners.causal import resolve_causal_model
+
+    causal = resolve_causal_model(m.name) is not None
+    if task in (ModelTask.SCORE, ModelTask.CLASSIFY):
+        raise ValueError(f"task {task.value} ({m.name!r}) is not served yet: embed or generate")
+    if task is ModelTask.GENERATE and not causal:
+        raise ValueError(f"task generate: {m.name!r} is not a causal LM")
+    if task is ModelTask.EMBED and causal:
+        raise ValueError(f"task embed: {m.name!r} is a causal LM (serve it with task generate)")
+    if quantized:
+        from lenbatch.runners.hardware import check_quantization, runner_quantizations
+
+        runner: type
+        if causal:
+            from lenbatch.runners.causal import CausalLMRunner as runner
+        else:
+            from lenbatch.runners.encoder import EncoderRunner as runner
+        check_quantization(m.quantization.value, runner.__name__, runner_quantizations(runner))
 
 
 def _run_ray(args: argparse.Namespace, settings: Settings) -> int:
@@ -329,6 +382,7 @@ def _serve_cost(spec: str | None, device: str, runner: Any) -> Any:
         here,
         dtype=precision.name if precision is not None else None,
         execution="packed" if isinstance(runner, PackedEmbeddingRunner) else "padded",
+        quantization=getattr(runner, "quantization", Quantization.NONE.value),
     )
     problem = processor_mismatch(choice.cost, here) if choice.from_file else None
     if problem:

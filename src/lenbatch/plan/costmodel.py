@@ -15,9 +15,13 @@ same machine (the server's event loop, and a load driver if it shares the machin
 slows the model by `cores / (cores - rate * cpu_per_request_s)` at a given request rate. The
 simulator applies all three; `latency()` stays the model's compute.
 
-A cost model is only true on the processor it was measured on (the project's machine changes
-between runs): `processor` holds `runners.hardware.processor_key()` of that machine, and
-`processor_mismatch` says when it does not match the one at hand.
+A cost model is only true for what it was measured with (the project's machine changes
+between runs): `processor` holds `runners.hardware.processor_key()` of that machine (vendor,
+family, model number, ISA flags, threads), `dtype`, `quantization`, `execution` and `work` the
+rest; `cost_key()` says it as a `core.costkey.CostKey`, and `processor_mismatch` says when the
+processor is not the one at hand. Files written before a field existed load with its default
+(`processor` ""; `quantization` none and `work` encoder_batch, which is what they measured).
+`seconds()` makes a cost model a `core.costkey.BatchCost`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lenbatch.core.costkey import CostKey, WorkKind, processor_difference
 
 __all__ = ["CostModel", "processor_mismatch"]
 
@@ -56,6 +62,8 @@ class CostModel:
     processor: str = ""  # `runners.hardware.processor_key()` where measured ("" in old files)
     dtype: str = ""  # the float type the model ran in (float32, bfloat16)
     execution: str = ""  # padded or packed
+    quantization: str = "none"  # weight quantization: none, int8, int4
+    work: str = WorkKind.ENCODER_BATCH.value  # the `WorkKind` measured
     points: list[dict[str, float]] = field(default_factory=list)  # measured grid, for reports
 
     def latency(self, batch: float, padded_len: float) -> float:
@@ -72,7 +80,23 @@ class CostModel:
     def batch_seconds(self, batch: int, padded_len: int) -> float:
         """Seconds a live server's runner is busy with one batch: the model's compute plus
         the calibrated per-batch overhead."""
+        return self.seconds(batch, padded_len)
+
+    def seconds(self, batch: float, padded_len: float) -> float:
+        """`batch_seconds` for fractional shapes (the mean over batches of those mean sizes):
+        the `core.costkey.BatchCost` protocol."""
         return self.latency(batch, padded_len) + self.batch_overhead_s
+
+    def cost_key(self, model: str | None = None) -> CostKey:
+        """What this cost model describes, as a `CostKey`; `model`: the served name (default:
+        the model name it was measured under)."""
+        return CostKey(
+            model=self.model if model is None else model,
+            work=WorkKind(self.work),
+            processor=self.processor,
+            dtype=self.dtype,
+            quantization=self.quantization,
+        )
 
     def slowdown(self, request_rate: float) -> float:
         """How much slower batches run while requests arrive at `request_rate` per second,
@@ -124,17 +148,20 @@ class CostModel:
 
 
 def processor_mismatch(cost: CostModel, here: str) -> str | None:
-    """Why `cost` does not describe the processor `here` (a `processor_key()`), or None."""
+    """Why `cost` does not describe the processor `here` (a `processor_key()`), or None. A
+    cost model with no processor key, or an older one (no model number or ISA flags), never
+    describes it."""
+    why = processor_difference(cost.processor, here)
+    if why is None:
+        return None
     what = f"cost model of {cost.model or 'the model'}"
     if not cost.processor:
         return (
             f"{what} does not say which processor it was measured on (it predates processor "
             f"keys); this machine is {here!r}: re-run `lenbatch profile` here"
         )
-    if cost.processor != here:
-        return (
-            f"{what} was measured on {cost.processor!r}, this machine is {here!r}: its "
-            "latencies do not hold here; re-run `lenbatch profile` (then `lenbatch calibrate`) "
-            "on this machine"
-        )
-    return None
+    return (
+        f"{what} was measured on {cost.processor!r}, this machine is {here!r} ({why}): its "
+        "latencies do not hold here; re-run `lenbatch profile` (then `lenbatch calibrate`) "
+        "on this machine"
+    )

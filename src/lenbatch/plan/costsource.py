@@ -4,11 +4,14 @@ processor, from a folder of cost models), or a live server's online-fitted model
 `--cost` of `simulate`, `tune`, `fit`, `predict`, `bench` and `serve` takes any of the three:
 
 - `PATH`: that JSON file (`lenbatch profile` or `lenbatch calibrate` output);
-- `auto`: among the `*.json` cost models in `LENBATCH_COST_DIR` (default `bench/results/`), the
-  one whose `processor` is exactly this machine's `processor_key()` (the torch thread count is
-  part of it), preferring the float type and execution the command runs with, then a
-  calibrated one (non-empty `calibration`, as `calibrate --out` writes) over a plain profile,
-  then the newest; no match is an error listing what the folder holds;
+- `auto`: among the `*.json` cost models in the cost folders (`cost_folders()`:
+  `$LENBATCH_COST_DIR` if set, else the source checkout's `bench/results/`, found from the
+  package's location, never the current directory), the one measured on this machine's
+  processor (`processor_mismatch` finds no difference: vendor, family, model number, ISA
+  flags and the torch thread count; an older key without model number never matches) and
+  with the quantization the command runs, preferring the float type and execution it runs
+  with, then a calibrated one (non-empty `calibration`, as `calibrate --out` writes) over a
+  plain profile, then the newest; no match is an error listing what the folder holds;
 - `http://HOST:PORT`: the online cost model a server running strategy `adaptive` fits from its
   own batches and shows in `GET /stats` (`adaptive.cost_model`).
 """
@@ -22,15 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lenbatch.plan.costmodel import CostModel
+from lenbatch.core.costkey import ProcessorKey
+from lenbatch.plan.costmodel import CostModel, processor_mismatch
 
 __all__ = [
     "AUTO",
     "COST_DIR_ENV",
-    "DEFAULT_COST_DIR",
+    "SOURCE_COST_DIR",
     "CostChoice",
     "choose_auto",
     "choose_cost_file",
+    "cost_folders",
     "cost_from_stats",
     "fetch_online_cost",
     "is_server_url",
@@ -39,7 +44,9 @@ __all__ = [
 
 AUTO = "auto"
 COST_DIR_ENV = "LENBATCH_COST_DIR"
-DEFAULT_COST_DIR = "bench/results"
+# The committed cost models of a source checkout: <checkout>/bench/results beside src/lenbatch.
+# An installed wheel has no such folder (then only $LENBATCH_COST_DIR holds cost models).
+SOURCE_COST_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
 
 
 @dataclass(frozen=True)
@@ -75,10 +82,12 @@ def choose_cost_file(
     *,
     dtype: str | None = None,
     execution: str | None = None,
+    quantization: str | None = None,
 ) -> tuple[Path, str]:
-    """The cost model file in `folder` measured on processor `here` (a `processor_key()`),
-    and why it was chosen. Ties: matching `dtype`, matching `execution`, calibrated, newest
-    file. Raises ValueError naming every cost file and its processor when none matches."""
+    """The cost model file in `folder` measured on processor `here` (a `processor_key()`)
+    with `quantization` (any when None), and why it was chosen. Ties: matching `dtype`,
+    matching `execution`, calibrated, newest file. Raises ValueError naming every cost file
+    and its processor when none matches."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(
@@ -86,21 +95,35 @@ def choose_cost_file(
             "run `lenbatch profile --out` there)"
         )
     costs, _ = _read_costs(root)
-    matching = [(p, c) for p, c in costs if c.processor == here]
+    matching = [
+        (p, c)
+        for p, c in costs
+        if processor_mismatch(c, here) is None
+        and (quantization is None or c.quantization == quantization)
+    ]
     if not matching:
         listed = (
             "; ".join(
                 f"{p.name}: {c.processor or 'no processor key'}"
                 + (f" {c.dtype}" if c.dtype else "")
                 + (f" {c.execution}" if c.execution else "")
+                + (f" quantization {c.quantization}" if c.quantization != "none" else "")
                 for p, c in costs
             )
             or "no cost model files"
         )
+        quant = "" if quantization is None else f" with quantization {quantization}"
+        older = any(c.processor and ProcessorKey.parse(c.processor) is None for _, c in costs)
+        note = (
+            " (a key without model number and ISA flags is from before keys told CPUs of "
+            "one family apart: it never matches)"
+            if older
+            else ""
+        )
         raise ValueError(
             f"--cost auto: no cost model in {str(root)!r} was measured on this processor "
-            f"({here!r}); it holds: {listed}. Run `lenbatch profile --out FILE` here (with the "
-            "same torch thread count), or pass --cost FILE"
+            f"({here!r}){quant}; it holds: {listed}{note}. Run `lenbatch profile --out FILE` "
+            "here (with the same torch thread count), or pass --cost FILE"
         )
 
     def rank(item: tuple[Path, CostModel]) -> tuple[bool, bool, bool, float]:
@@ -175,17 +198,35 @@ def fetch_online_cost(url: str, timeout_s: float = 5.0) -> CostModel:
     return cost_from_stats(stats, base)
 
 
+def cost_folders(environ: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """Where `--cost auto` looks, in order: `$LENBATCH_COST_DIR` alone when set, else the
+    source checkout's `bench/results/` (`SOURCE_COST_DIR`). A per-user cache folder of
+    calibrated models, when there is one, belongs after it."""
+    env = os.environ if environ is None else environ
+    if env.get(COST_DIR_ENV):
+        return (Path(env[COST_DIR_ENV]).expanduser(),)
+    return (SOURCE_COST_DIR,)
+
+
 def choose_auto(
     here: str,
     *,
     dtype: str | None = None,
     execution: str | None = None,
+    quantization: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Path, str]:
-    """`--cost auto`: `choose_cost_file` in `$LENBATCH_COST_DIR` (default `bench/results`)."""
-    env = os.environ if environ is None else environ
-    folder = env.get(COST_DIR_ENV) or DEFAULT_COST_DIR
-    return choose_cost_file(folder, here, dtype=dtype, execution=execution)
+    """`--cost auto`: `choose_cost_file` in each of `cost_folders()` until one matches;
+    raises ValueError with every folder's reason when none does."""
+    errors: list[str] = []
+    for folder in cost_folders(environ):
+        try:
+            return choose_cost_file(
+                folder, here, dtype=dtype, execution=execution, quantization=quantization
+            )
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise ValueError("; ".join(errors))
 
 
 def resolve_cost(
@@ -194,14 +235,18 @@ def resolve_cost(
     *,
     dtype: str | None = None,
     execution: str | None = None,
+    quantization: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> CostChoice:
     """Turn a `--cost` value (PATH, `auto` or a server URL) into a cost model; `here` is this
-    machine's `processor_key()`, `dtype`/`execution` what the command runs with (if known)."""
+    machine's `processor_key()`, `dtype`/`execution`/`quantization` what the command runs
+    with (if known)."""
     if is_server_url(spec):
         cost = fetch_online_cost(spec)
         return CostChoice(cost, spec, cost.calibration, from_file=False)
     if spec.strip().lower() == AUTO:
-        path, why = choose_auto(here, dtype=dtype, execution=execution, environ=environ)
+        path, why = choose_auto(
+            here, dtype=dtype, execution=execution, quantization=quantization, environ=environ
+        )
         return CostChoice(CostModel.load(path), str(path), why, from_file=True)
     return CostChoice(CostModel.load(spec), spec, "given", from_file=True)

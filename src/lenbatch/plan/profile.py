@@ -335,7 +335,8 @@ def profile_and_fit(
     device: str = "cpu",
     progress: Callable[[ProfilePoint], None] | None = None,
 ) -> CostModel:
-    """Profile a real runner with the probe for its device and fit its cost model."""
+    """Profile a real runner with the probe for its device and fit its cost model, recording
+    what it was measured with: processor key, dtype, execution and quantization."""
     probe = probe_for(runner)
     points = profile_runner(
         runner,
@@ -362,6 +363,7 @@ def profile_and_fit(
         processor=processor_key(device),
         dtype=precision.name if precision is not None else "",
         execution="packed" if isinstance(runner, PackedEmbeddingRunner) else "padded",
+        quantization=getattr(runner, "quantization", "none"),
     )
 
 

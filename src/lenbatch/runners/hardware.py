@@ -1,27 +1,38 @@
-"""What the machine under the runner is, and which float type to run a model in.
+"""What the machine under the runner is, and which float type and quantization to run a model in.
 
 The project's machine changes between runs (an AMD EPYC one round, an Intel Xeon with AMX the
-next), so nothing may assume one processor: cost models are keyed by `processor_key()`, and
-`--dtype auto` picks bfloat16 only where the hardware runs it natively.
+next), so nothing may assume one processor: cost models are keyed by `processor_key()` (vendor,
+family, model number, the ISA flags the kernels use, threads; see `core.costkey.ProcessorKey`),
+and `--dtype auto` picks bfloat16 only where the hardware runs it natively. A quantization is
+served only by a runner that implements it (`check_quantization`).
 """
 
 from __future__ import annotations
 
 import platform
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from lenbatch.core.costkey import ProcessorKey
+
 __all__ = [
     "DTYPE_NAMES",
+    "KERNEL_FLAGS",
+    "QUANTIZATION_NAMES",
     "Precision",
+    "check_quantization",
     "cpu_flags",
     "cpu_model",
+    "processor_from_cpuinfo",
     "processor_key",
     "resolve_precision",
+    "runner_quantizations",
+    "this_processor",
 ]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
@@ -55,17 +66,93 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(found.group(1).split()) if found else frozenset()
 
 
-def processor_key(device: str = "cpu", threads: int | None = None) -> str:
-    """A stable name for the processor a measurement came from: CPU model, family and cores,
-    or the GPU's name. Cost models and profiles are stored and looked up under it. `threads`:
-    the torch thread count a run will use (default: this process's)."""
+# The ISA flags that change what the model's kernels cost: 256- and 512-bit vectors, bf16 and
+# int8 dot products, AMX tiles (x86, cpuinfo `flags`); dot products, bf16, int8 matrix
+# multiply and SVE (Arm, cpuinfo `Features`). A processor key lists those present.
+KERNEL_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+    "asimddp",
+    "bf16",
+    "i8mm",
+    "sve",
+    "sve2",
+)
+
+
+def _fields(cpuinfo: str) -> dict[str, str]:
+    """The `key : value` lines of the first processor's block of a cpuinfo text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the next processor's block: all processors of one machine agree
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _number(text: str | None) -> int | None:
+    """A decimal or `0x` hexadecimal cpuinfo number, None when absent or unreadable."""
+    try:
+        return None if text is None else int(text, 0)
+    except ValueError:
+        return None
+
+
+def processor_from_cpuinfo(cpuinfo: str, threads: int | None, name: str = "") -> ProcessorKey:
+    """The processor key of a `/proc/cpuinfo` text: vendor, family, model number, the
+    `KERNEL_FLAGS` present and `threads`. x86 reports `vendor_id`, `cpu family`, `model`,
+    `model name` and `flags`; Arm `CPU implementer`, `CPU architecture`, `CPU part` and
+    `Features`. `name` stands in for a missing `model name`."""
+    f = _fields(cpuinfo)
+    if "vendor_id" in f or "cpu family" in f:
+        vendor = f.get("vendor_id", "")
+        family, model = _number(f.get("cpu family")), _number(f.get("model"))
+        flags = f.get("flags", "")
+    else:  # Arm: an implementer code (0x41 is Arm Ltd) and a part number
+        implementer = f.get("CPU implementer")
+        vendor = f"arm-implementer-{implementer}" if implementer else ""
+        family, model = _number(f.get("CPU architecture")), _number(f.get("CPU part"))
+        flags = f.get("Features", "")
+    present = set(flags.split())
+    return ProcessorKey(
+        device="cpu",
+        name=f.get("model name") or name or "unknown CPU",
+        vendor=re.sub(r"\s+", "_", vendor) or "unknown",
+        family=family,
+        model=model,
+        isa=tuple(sorted(present.intersection(KERNEL_FLAGS))),
+        threads=threads,
+    )
+
+
+def this_processor(device: str = "cpu", threads: int | None = None) -> ProcessorKey:
+    """The key of the processor `device` runs on. `threads`: the torch thread count a run will
+    use (default: this process's); a GPU's key has none, and its compute capability stands in
+    for family and model number."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name(dev)}"
-    info = _cpuinfo()
-    family = re.search(r"^cpu family\s*:\s*(\d+)$", info, re.MULTILINE)
-    fam = f" family {family.group(1)}" if family else ""
-    return f"cpu:{cpu_model()}{fam} x{threads or torch.get_num_threads()}"
+        major, minor = torch.cuda.get_device_capability(dev)
+        return ProcessorKey("cuda", torch.cuda.get_device_name(dev), "NVIDIA", major, minor)
+    return processor_from_cpuinfo(
+        _cpuinfo(), threads or torch.get_num_threads(), name=platform.processor()
+    )
+
+
+def processor_key(device: str = "cpu", threads: int | None = None) -> str:
+    """A stable name for the processor a measurement came from, e.g.
+    `cpu:AMD EPYC 9654 96-Core Processor [AuthenticAMD family 25 model 17; avx2 avx512_bf16
+    avx512_vnni avx512f] x2` (the string form of `this_processor`). Cost models and profiles
+    are stored and looked up under it."""
+    return str(this_processor(device, threads))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +197,28 @@ def resolve_precision(requested: str, device: str = "cpu") -> Precision:
     if requested == "bfloat16" and not native:
         return Precision(torch.bfloat16, "bfloat16", f"requested; {why}: expect it to be slow")
     return Precision(_TORCH_DTYPES[requested], requested, "requested")
+
+
+QUANTIZATION_NAMES = ("none", "int8", "int4")
+
+
+def runner_quantizations(runner_class: type) -> tuple[str, ...]:
+    """The quantizations a runner class implements: its `quantizations` class attribute, or
+    only `none` where it has none."""
+    return tuple(getattr(runner_class, "quantizations", ("none",)))
+
+
+def check_quantization(requested: str, runner: str, supported: Collection[str] = ("none",)) -> str:
+    """`requested` when the runner called `runner` implements it (`supported`), else a
+    ValueError naming the runner, the quantization and what the runner does implement:
+    a quantization is never silently ignored."""
+    if requested not in QUANTIZATION_NAMES:
+        raise ValueError(
+            f"quantization {requested!r}: expected one of {', '.join(QUANTIZATION_NAMES)}"
+        )
+    if requested not in supported:
+        raise ValueError(
+            f"{runner} does not support quantization {requested} (it runs: "
+            f"{', '.join(sorted(supported)) or 'nothing'}); serve with --quantize none"
+        )
+    return requested
