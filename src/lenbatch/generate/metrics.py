@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lenbatch.generate.sequence import STAGES
+from lenbatch.generate.generation import STAGES
 from lenbatch.serving.metrics import (
     BATCH_BUCKETS,
     LATENCY_BUCKETS,
