@@ -385,8 +385,8 @@ class RecoveryConfig(BaseModel):
 class DecodeMode(StrEnum):
     """How a causal LM decodes its batches (see `lenbatch.generate.policy`).
 
-    `static` is accepted as another name of `lockstep` (its name before strategy `static`, the
-    padded baseline, and the fixed shapes of `compile` made "static" mean three things)."""
+    `static` is accepted as another name of `lockstep`, the mode's former name (strategy
+    `static`, the padded baseline, is another thing)."""
 
     LOCKSTEP = "lockstep"  # a batch prefills together and decodes together until all rows stop
     CONTINUOUS = "continuous"  # rows join and leave the running batch at every step
