@@ -5,9 +5,9 @@
 
 The decode step is measured three ways on the same batch (`--rows` rows, a `--window`-column
 cache): the eager path the server runs by default (`runner.forward` with the preallocated window
-cache), the static shape run eager (`generate.static`'s layout: fixed `--width`-column buffers, a
-tensor write column, a boolean 4-D mask; `StaticGraphs(compile=False)`), and the same shape
-compiled (`StaticGraphs(compile=True)`: `torch.compile(dynamic=False, fullgraph=True)`). The first
+cache), the static shape run eager (`generate.shapes`'s layout: fixed `--width`-column buffers, a
+tensor write column, a boolean 4-D mask; `ShapeGraphs(compile=False)`), and the same shape
+compiled (`ShapeGraphs(compile=True)`: `torch.compile(dynamic=False, fullgraph=True)`). The first
 compiled call is the shape's compile time. `--prefill RxC` does the same for one bucket-shaped
 prefill. `--freezing` turns on Inductor's weight freezing (constant weights, prepacked for
 oneDNN), the setting Inductor recommends for CPU inference.
@@ -31,9 +31,8 @@ import torch
 
 from lenbatch.core.collate import collate
 from lenbatch.generate.kvcache import KVBatch
-from lenbatch.generate.static import ShapeClasses, StaticRunner
+from lenbatch.generate.shapes import FixedShapes, make_fixed_shapes
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
-from lenbatch.runners.static_graphs import StaticGraphs
 
 
 def _timed(fn: Any, repeat: int) -> list[float]:
@@ -45,19 +44,8 @@ def _timed(fn: Any, repeat: int) -> list[float]:
     return out
 
 
-def _static(runner: Any, compile: bool, width: int) -> StaticRunner:
-    cfg = runner.model.config
-    heads = int(cfg.num_attention_heads)
-    return StaticRunner(
-        StaticGraphs(runner.model, compile=compile),
-        ShapeClasses((width,), 64, width),
-        num_layers=int(cfg.num_hidden_layers),
-        kv_heads=int(cfg.num_key_value_heads),
-        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-        dtype=next(runner.model.parameters()).dtype,
-        device=runner.device,
-        pad_id=runner.info.pad_token_id,
-    )
+def _static(runner: Any, compile: bool, width: int) -> FixedShapes:
+    return make_fixed_shapes(runner, (width,), 64, width, compile=compile)
 
 
 def main() -> int:

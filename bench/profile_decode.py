@@ -3,7 +3,7 @@
     .venv/bin/python bench/profile_decode.py --model smollm2 --rows 16 --prompt-len 160 \\
         --steps 48 [--dtype bfloat16] [--json out.json]
 
-Drives `lenbatch.generate.core.DecodeCore` directly (no HTTP, no event loop): one prefill job
+Drives `lenbatch.generate.decode.Decoder` directly (no HTTP, no event loop): one prefill job
 of `--rows` prompts of about `--prompt-len` tokens, then decode steps until every row has
 finished; rows stop at different lengths (max_tokens from `--steps` down to half of it, as in a
 real batch) and a second job of `--rows // 2` prompts joins after a quarter of the steps, so
@@ -12,8 +12,8 @@ that exist in both the old and the new core (so `PYTHONPATH=<old tree>/src` prof
 decode with the same script):
 
 * `model`: the runner's forward call (inside it, transformers' cache update);
-* `sampling`: choosing each row's next token (`core._choose`);
-* `per-seq python`: `Sequence.add_token` for every row (detokenizing, stop checks);
+* `sampling`: choosing each row's next token (`decode.choose_next`);
+* `per-seq python`: `Generation.add_token` for every row (detokenizing, stop checks);
 * `cache + rest`: the step's remainder (building step inputs, appending, dropping finished rows).
 
 A torch profiler pass over a few steps then splits the model call by operator kind (matmuls,
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-import lenbatch.generate.core as core_mod
+import lenbatch.generate.decode as decode_mod
 from lenbatch.core.request import Request
+from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.sampling import TextTracker
-from lenbatch.generate.sequence import Sequence, Timings
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
 from lenbatch.serving.messages import SamplingParams
 
@@ -71,15 +71,15 @@ class PhaseTimer:
         return timed
 
 
-def _sequences(runner: Any, n: int, length: int, steps: int, offset: int) -> list[Sequence]:
+def _sequences(runner: Any, n: int, length: int, steps: int, offset: int) -> list[Generation]:
     ids = runner.tokenize([TEXT])[0]
     seqs = []
     for i in range(n):
         prompt = ids[offset + i : offset + i + max(4, length - 3 * i)]  # lengths differ by row
         max_tokens = max(2, steps - (i * steps) // (2 * n))
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        req: Request[Sequence] = Request(len(prompt), 0.0, list(prompt))
-        seq = Sequence(req, params, TextTracker(runner.decode), Timings(0.0), runner.device)
+        req: Request[Generation] = Request(len(prompt), 0.0, list(prompt))
+        seq = Generation(req, params, TextTracker(runner.decode), Timings(0.0), runner.device)
         req.handle = seq
         seqs.append(seq)
     return seqs
@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up()
     timer = PhaseTimer()
     runner.forward = timer.wrap("model", runner.forward)  # type: ignore[method-assign]
-    core_mod._choose = timer.wrap("sampling", core_mod._choose)  # type: ignore[attr-defined]
-    Sequence.add_token = timer.wrap("per-seq python", Sequence.add_token)  # type: ignore[method-assign]
+    decode_mod.choose_next = timer.wrap("sampling", decode_mod.choose_next)
+    Generation.add_token = timer.wrap("per-seq python", Generation.add_token)  # type: ignore[method-assign]
 
     def one_pass(profile: bool) -> tuple[list[float], dict[str, float], list[list[int]]]:
-        core = core_mod.DecodeCore(runner, time.perf_counter, True)
+        core = decode_mod.Decoder(runner, time.perf_counter, True)
         first = _sequences(runner, args.rows, args.prompt_len, args.steps, 0)
         late = _sequences(runner, max(1, args.rows // 2), args.prompt_len // 2, args.steps, 7)
         job = core.add_job(0, first, None)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": tokens,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
-        "lenbatch": os.path.dirname(core_mod.__file__),
+        "lenbatch": os.path.dirname(decode_mod.__file__),
     }
 
 

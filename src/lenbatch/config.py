@@ -353,10 +353,25 @@ class RecoveryConfig(BaseModel):
 
 
 class DecodeMode(StrEnum):
-    """How a causal LM decodes its batches (see `lenbatch.generate.policy`)."""
+    """How a causal LM decodes its batches (see `lenbatch.generate.policy`).
 
-    STATIC = "static"  # a batch prefills together and decodes together until all rows stop
+    `static` is accepted as another name of `lockstep`, the mode's former name (strategy
+    `static`, the padded baseline, is another thing)."""
+
+    LOCKSTEP = "lockstep"  # a batch prefills together and decodes together until all rows stop
     CONTINUOUS = "continuous"  # rows join and leave the running batch at every step
+
+    @classmethod
+    def _missing_(cls, value: object) -> DecodeMode | None:
+        return cls.LOCKSTEP if value == _LOCKSTEP_ALIAS else None
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        """Every name a config file or `--decode-mode` accepts: the modes, then the alias."""
+        return [m.value for m in cls] + [_LOCKSTEP_ALIAS]
+
+
+_LOCKSTEP_ALIAS = "static"  # what `lockstep` was called before; still accepted
 
 
 class GenerationConfig(BaseModel):
@@ -365,7 +380,8 @@ class GenerationConfig(BaseModel):
     model_config = _FROZEN
 
     mode: DecodeMode = DecodeMode.CONTINUOUS
-    """Decode mode: static per-bucket batches or continuous batching."""
+    """Decode mode: `lockstep` (a batch decodes together until all its rows stop; `static` is
+    another name for it) or `continuous` batching."""
     max_running: int = Field(32, ge=1)
     """continuous: most sequences decoding at once (bounds the KV cache)."""
     step_tokens: int = Field(256, ge=1)
@@ -375,9 +391,9 @@ class GenerationConfig(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1)
     """Largest `max_tokens` a request may ask for (None: up to the context length)."""
     compile: bool = False
-    """Static shapes (bucket x rows, rows x cache width), one torch.compile graph each."""
+    """Fixed shapes (bucket x rows, rows x cache width), one torch.compile graph each."""
     compile_max_width: int = Field(512, ge=64)
-    """compile: widest static shape (prompt or cache columns); wider units run eager."""
+    """compile: widest fixed shape (prompt or cache columns); wider units run eager."""
 
 
 class Settings(BaseModel):

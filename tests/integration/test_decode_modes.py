@@ -1,5 +1,5 @@
-"""Decode-mode behaviour: finished rows stop costing compute, static batches admit nobody until
-empty, continuous batching admits under its running cap, a poison prompt fails alone."""
+"""Decode-mode behaviour: finished rows stop costing compute, lockstep batches admit nobody
+until empty, continuous batching admits under its running cap, a poison prompt fails alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.errors import ModelFailed, Unavailable
-from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
+from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from tests.llm_reference import PROMPTS
 
 
@@ -19,8 +19,8 @@ def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
     return GenerationEngine(runner, batching, generation=GenerationConfig(mode=mode, **gen))
 
 
-async def _drain(engine: GenerationEngine, seqs: list[Sequence]) -> list[Any]:
-    async def one(s: Sequence) -> Any:
+async def _drain(engine: GenerationEngine, seqs: list[Generation]) -> list[Any]:
+    async def one(s: Generation) -> Any:
         try:
             return [d async for d in engine.stream(s)]
         except ModelFailed as exc:
@@ -32,17 +32,17 @@ async def _drain(engine: GenerationEngine, seqs: list[Sequence]) -> list[Any]:
 async def test_finished_rows_leave_the_batch_and_its_cache(llama_runner: Any) -> None:
     """Once a short request finishes, later decode steps run without its row, and the cache
     narrows to the rows still running."""
-    engine = _engine(llama_runner, DecodeMode.STATIC)
+    engine = _engine(llama_runner, DecodeMode.LOCKSTEP)
     rows: list[tuple[int, int]] = []
-    real_decode = engine.core.decode
+    real_decode = engine.decoder.decode
 
     def spy() -> Any:
-        kv = engine.core.running
+        kv = engine.decoder.running
         if kv is not None:
             rows.append((kv.rows, kv.width))
         return real_decode()
 
-    engine.core.decode = spy  # type: ignore[method-assign]
+    engine.decoder.decode = spy  # type: ignore[method-assign]
     long_prompt, short_prompt = llama_runner.tokenize([PROMPTS[4], PROMPTS[3]])
     await engine.start()
     try:
@@ -59,9 +59,9 @@ async def test_finished_rows_leave_the_batch_and_its_cache(llama_runner: Any) ->
     assert rows[-1][1] == len(short_prompt) + 10
 
 
-async def test_static_batches_admit_nobody_until_empty(llama_runner: Any) -> None:
-    """In static mode a request arriving mid-decode waits for the whole batch to finish."""
-    engine = _engine(llama_runner, DecodeMode.STATIC)
+async def test_lockstep_batches_admit_nobody_until_empty(llama_runner: Any) -> None:
+    """In lockstep mode a request arriving mid-decode waits for the whole batch to finish."""
+    engine = _engine(llama_runner, DecodeMode.LOCKSTEP)
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = llama_runner.tokenize(PROMPTS[:2])
     await engine.start()
@@ -82,13 +82,13 @@ async def test_continuous_admits_at_most_max_running(llama_runner: Any) -> None:
     """Continuous batching never runs more sequences than `max_running`."""
     engine = _engine(llama_runner, DecodeMode.CONTINUOUS, max_running=3)
     seen: list[int] = []
-    real_decode = engine.core.decode
+    real_decode = engine.decoder.decode
 
     def spy() -> Any:
-        seen.append(engine.core.running_rows)
+        seen.append(engine.decoder.running_rows)
         return real_decode()
 
-    engine.core.decode = spy  # type: ignore[method-assign]
+    engine.decoder.decode = spy  # type: ignore[method-assign]
     prompts = llama_runner.tokenize(PROMPTS)
     await engine.start()
     try:
@@ -101,7 +101,7 @@ async def test_continuous_admits_at_most_max_running(llama_runner: Any) -> None:
     assert max(seen) == 3
 
 
-@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
+@pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
 async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) -> None:
     """A prompt the model raises on is isolated by bisecting its prefill batch; the other
     requests of the batch are answered, and every request gets exactly one ending."""
@@ -119,7 +119,7 @@ async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) ->
                 raise RuntimeError("boom")
             return real_forward(ids, *args)
 
-    engine.core.runner = Flaky()  # type: ignore[assignment]
+    engine.decoder.runner = Flaky()  # type: ignore[assignment]
     prompts[2] = [*prompts[2][:3], poison, *prompts[2][3:]]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     await engine.start()
@@ -191,7 +191,7 @@ async def test_a_failure_while_sampling_first_tokens_fails_that_prompt_alone(
                 logits[(ids == poison).any(dim=1)] = float("nan")
             return logits
 
-    engine.core.runner = NaNOnPoison()  # type: ignore[assignment]
+    engine.decoder.runner = NaNOnPoison()  # type: ignore[assignment]
     prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]
     p = SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)
     await engine.start()

@@ -1,5 +1,5 @@
 """Batched, left-padded generation equals `model.generate()` on each prompt alone, token for
-token: static and continuous decode modes, requests joining mid-decode, chunked prefill, for a
+token: lockstep and continuous decode modes, requests joining mid-decode, chunked prefill, for a
 tiny random Llama (rotary positions) and a tiny random GPT-2 (absolute positions)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
-from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
+from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
 
@@ -20,14 +20,14 @@ def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
     return GenerationEngine(runner, batching, generation=GenerationConfig(mode=mode, **gen))
 
 
-async def _collect(engine: GenerationEngine, seq: Sequence) -> list[int]:
+async def _collect(engine: GenerationEngine, seq: Generation) -> list[int]:
     tokens: list[int] = []
     async for delta in engine.stream(seq):
         tokens.extend(delta.token_ids)
     return tokens
 
 
-async def _decoding(seqs: list[Sequence]) -> None:
+async def _decoding(seqs: list[Generation]) -> None:
     """Return once one of `seqs` has generated 3 tokens (at once if there are none)."""
     while seqs and not any(len(s.generated) >= 3 for s in seqs):
         await asyncio.sleep(0.001)
@@ -35,7 +35,7 @@ async def _decoding(seqs: list[Sequence]) -> None:
 
 async def _run_with_late_joiners(
     engine: GenerationEngine, prompts: list[list[int]], params: SamplingParams
-) -> tuple[list[list[int]], list[Sequence]]:
+) -> tuple[list[list[int]], list[Generation]]:
     """Submit half the prompts, wait until decoding is under way, then submit the rest."""
     await engine.start()
     try:
@@ -51,7 +51,7 @@ async def _run_with_late_joiners(
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
+@pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
 async def test_greedy_batched_equals_generate_alone(
     arch: str, mode: DecodeMode, greedy_refs: dict[str, Any]
 ) -> None:
@@ -81,13 +81,13 @@ async def test_chunked_prefill_equals_generate_alone(
     runner, prompts, expected = greedy_refs[arch]
     engine = _engine(runner, DecodeMode.CONTINUOUS, step_tokens=6)
     chunks = []
-    real_prefill = engine.core.prefill
+    real_prefill = engine.decoder.prefill
 
     def spy(job: Any, cols: int) -> Any:
         chunks.append(min(cols, job.remaining))
         return real_prefill(job, cols)
 
-    engine.core.prefill = spy  # type: ignore[method-assign]
+    engine.decoder.prefill = spy  # type: ignore[method-assign]
     got, _ = await _run_with_late_joiners(
         engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0)
     )
@@ -141,7 +141,7 @@ async def _all_tokens(engine: GenerationEngine, prompts: list[list[int]]) -> lis
         await engine.stop()
 
 
-@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
+@pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
 async def test_prefill_out_of_memory_splits_and_retries_losing_nothing(
     mode: DecodeMode, greedy_refs: dict[str, Any]
 ) -> None:
@@ -175,7 +175,7 @@ async def test_decode_out_of_memory_hands_rows_back_to_prefill_losing_nothing(
     got = await _all_tokens(engine, prompts)
     assert got == expected
     assert faulty.faults["decode_oom"] >= 1
-    assert engine.core.preempted >= 1
+    assert engine.decoder.preempted >= 1
     assert max(r for r, c in faulty.calls if c == 1) <= 2  # steps that ran fit the limit
     assert not engine.unanswered
 
@@ -184,7 +184,7 @@ async def test_a_prompt_that_runs_out_of_memory_alone_gets_503(llama_runner: Any
     """When even one prompt in the smallest chunks runs out of memory, its request ends with
     a 503 out_of_memory error (Retry-After); the others of its batch are still answered."""
     from lenbatch.core.errors import OutOfMemory
-    from lenbatch.generate.core import MIN_OOM_CHUNK
+    from lenbatch.generate.failures import MIN_OOM_CHUNK
     from lenbatch.runners.faulty import FaultyCausalRunner
 
     faulty = FaultyCausalRunner(llama_runner, oom_prefill_tokens=MIN_OOM_CHUNK - 1)

@@ -269,8 +269,8 @@ def test_client_disconnect_frees_the_sequence(served: _Served) -> None:
             if line.startswith("data: "):
                 break
     deadline = time.monotonic() + 30
-    while (engine.core.running_rows or engine.unanswered) and time.monotonic() < deadline:
+    while (engine.decoder.running_rows or engine.unanswered) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert engine.core.running_rows == 0
+    assert engine.decoder.running_rows == 0
     assert not engine.unanswered
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200

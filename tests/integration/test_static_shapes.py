@@ -1,4 +1,4 @@
-"""Static shapes (`[generation] compile`): bucket-padded prefill and fixed-width decode give the
+"""Fixed shapes (`[generation] compile`): bucket-padded prefill and fixed-width decode give the
 tokens of `model.generate()` on each prompt alone, and compiled graphs give the eager path's."""
 
 from __future__ import annotations
@@ -11,32 +11,33 @@ import pytest
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.request import Request
-from lenbatch.generate import GenerationEngine, SamplingParams, Sequence
-from lenbatch.generate.core import DecodeCore
+from lenbatch.generate import Generation, GenerationEngine, SamplingParams
+from lenbatch.generate.decode import Decoder
+from lenbatch.generate.generation import Timings
 from lenbatch.generate.sampling import TextTracker
-from lenbatch.generate.sequence import Timings
-from lenbatch.generate.static import ShapeClasses, make_static
+from lenbatch.generate.shapes import ShapeClasses, make_fixed_shapes
+from lenbatch.runners.graphs import GraphInputs
 from tests.llm_reference import MAX_NEW
 
 
-async def _collect(engine: GenerationEngine, seq: Sequence) -> list[int]:
+async def _collect(engine: GenerationEngine, seq: Generation) -> list[int]:
     tokens: list[int] = []
     async for delta in engine.stream(seq):
         tokens.extend(delta.token_ids)
     return tokens
 
 
-@pytest.mark.parametrize("mode", [DecodeMode.STATIC, DecodeMode.CONTINUOUS])
-async def test_static_shapes_equal_generate_alone(
+@pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
+async def test_fixed_shapes_equal_generate_alone(
     mode: DecodeMode, greedy_refs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill padded to the bucket bound and rows to a power of two, decode in a fixed-width
     buffer with dummy rows, requests joining mid-decode: the tokens of generate() alone. The
-    eager forward is never called, so every unit really ran in a static shape."""
+    eager forward is never called, so every unit really ran in a fixed shape."""
     runner, prompts, expected = greedy_refs["llama"]
     batching = BatchingConfig(boundaries=(8, 16, 32), max_batch=3, max_wait_ms=5)
     gen = GenerationConfig(mode=mode, step_tokens=4096, max_running=8, compile_max_width=128)
-    engine = GenerationEngine(runner, batching, generation=gen, static_shapes=True)
+    engine = GenerationEngine(runner, batching, generation=gen, fixed_shapes=True)
 
     def no_eager(*a: Any, **k: Any) -> Any:
         raise AssertionError("a unit ran on the eager path")
@@ -78,30 +79,30 @@ def test_shape_classes() -> None:
     assert decode == [(r, 64) for r in (1, 2, 4, 8)]
 
 
-def _seqs(runner: Any, prompts: list[list[int]], n: int) -> list[Sequence]:
+def _seqs(runner: Any, prompts: list[list[int]], n: int) -> list[Generation]:
     out = []
     for p in prompts:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        req: Request[Sequence] = Request(len(p), 0.0, list(p))
-        seq = Sequence(req, params, TextTracker(runner.decode), Timings(0.0), runner.device)
+        req: Request[Generation] = Request(len(p), 0.0, list(p))
+        seq = Generation(req, params, TextTracker(runner.decode), Timings(0.0), runner.device)
         req.handle = seq
         out.append(seq)
     return out
 
 
 def _generate(runner: Any, prompts: list[list[int]], compile: bool) -> tuple[list[list[int]], Any]:
-    static = make_static(runner, (16, 32), 4, 64, compile=compile)
-    core = DecodeCore(runner, time.perf_counter, True, static)
+    shapes = make_fixed_shapes(runner, (16, 32), 4, 64, compile=compile)
+    decoder = Decoder(runner, time.perf_counter, True, shapes)
     seqs = _seqs(runner, prompts, 12)
-    job = core.add_job(0, seqs, None)
-    core.prefill(job, job.remaining)
-    while core.running_rows:
-        core.decode()
-    return [s.generated for s in seqs], static.graphs.stats
+    job = decoder.add_job(0, seqs, None)
+    decoder.prefill(job, job.remaining)
+    while decoder.running_rows:
+        decoder.decode()
+    return [s.generated for s in seqs], shapes.graphs.stats
 
 
 def test_compiled_graphs_give_the_eager_tokens(llama_runner: Any) -> None:
-    """torch.compile'd static shapes (one prefill shape, one decode shape) produce the same
+    """torch.compile'd fixed shapes (one prefill shape, one decode shape) produce the same
     greedy tokens as the same shapes run eager; the second call of a shape is a hit."""
     prompts = llama_runner.tokenize(["Weng earns $12 an hour", "Hi", "James writes a letter"])
     eager, _ = _generate(llama_runner, prompts, compile=False)
@@ -116,16 +117,16 @@ def test_compiled_graphs_give_the_eager_tokens(llama_runner: Any) -> None:
 def test_warm_up_runs_every_shape_class(llama_runner: Any) -> None:
     """Start-up runs each prefill class (bucket bounds, then powers of two up to the widest)
     and each decode class once (eager here; compiled with `compile`)."""
-    static = make_static(llama_runner, (16, 511), 2, 64, compile=False)
+    shapes = make_fixed_shapes(llama_runner, (16, 511), 2, 64, compile=False)
     calls: list[str] = []
-    run = static.graphs.run
+    run = shapes.graphs.run
 
-    def spy(ids: Any, mask: Any, pos: Any, cols: Any, keys: Any, values: Any) -> Any:
-        calls.append(static.graphs.shape_key(ids, keys))
-        return run(ids, mask, pos, cols, keys, values)
+    def spy(step: GraphInputs) -> Any:
+        calls.append(step.shape_key)
+        return run(step)
 
-    static.graphs.run = spy  # type: ignore[method-assign]
-    assert static.warm_up() == 8
+    shapes.graphs.run = spy  # type: ignore[method-assign]
+    assert shapes.warm_up() == 8
     assert calls == [
         "1x16->16", "2x16->16", "1x32->32", "2x32->32", "1x64->64", "2x64->64",
         "1x1->64", "2x1->64",

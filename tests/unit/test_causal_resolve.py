@@ -9,7 +9,7 @@ import pytest
 
 from lenbatch.cli import build_parser
 from lenbatch.cli.serve import settings_from_args
-from lenbatch.config import DecodeMode
+from lenbatch.config import DecodeMode, load_settings
 from lenbatch.runners.causal import SMOLLM2_GGUF, is_causal_folder, resolve_causal_model
 
 
@@ -51,6 +51,20 @@ def test_serve_generation_flags_reach_the_settings() -> None:
         ["serve", "--model", "smollm2", "--decode-mode", "static", "--max-running", "5"]
     )
     settings = settings_from_args(args)
-    assert settings.generation.mode is DecodeMode.STATIC
+    assert settings.generation.mode is DecodeMode.LOCKSTEP
     assert settings.generation.max_running == 5
     assert settings.generation.step_tokens == 256
+
+
+@pytest.mark.parametrize("name", ["lockstep", "static"])
+def test_decode_mode_static_is_another_name_for_lockstep(name: str, tmp_path: Path) -> None:
+    """`lockstep` and its former name `static` mean the same mode, in `--decode-mode` and in a
+    config file alike; anything else is refused."""
+    args = build_parser().parse_args(["serve", "--model", "smollm2", "--decode-mode", name])
+    assert settings_from_args(args).generation.mode is DecodeMode.LOCKSTEP
+    cfg = tmp_path / "lenbatch.toml"
+    cfg.write_text(f'[generation]\nmode = "{name}"\n', encoding="utf-8")
+    assert load_settings(cfg).generation.mode is DecodeMode.LOCKSTEP
+    assert DecodeMode(name) is DecodeMode.LOCKSTEP
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "smollm2", "--decode-mode", "steady"])

@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from lenbatch.generate.policy import ContinuousPolicy, StaticPolicy
+from lenbatch.config import GenerationConfig
+from lenbatch.generate.policy import ContinuousPolicy, LockstepPolicy, make_policy
 
 
 @dataclass
@@ -32,17 +33,17 @@ class _Core:
         return not self.jobs and not self.running_rows
 
 
-def test_static_admits_only_into_an_empty_engine() -> None:
-    """Static batching takes a new batch only when nothing runs or waits for prefill."""
-    p = StaticPolicy(max_batch=8)
+def test_lockstep_admits_only_into_an_empty_engine() -> None:
+    """Lockstep batching takes a new batch only when nothing runs or waits for prefill."""
+    p = LockstepPolicy(max_batch=8)
     assert p.capacity(_Core()) == 8  # type: ignore[arg-type]
     assert p.capacity(_Core(running_rows=1)) == 0  # type: ignore[arg-type]
     assert p.capacity(_Core(jobs=deque([_Job(2, 10)]))) == 0  # type: ignore[arg-type]
 
 
-def test_static_prefills_whole_then_decodes() -> None:
+def test_lockstep_prefills_whole_then_decodes() -> None:
     """A waiting batch is prefilled in one pass; otherwise the running batch decodes."""
-    p = StaticPolicy(max_batch=8)
+    p = LockstepPolicy(max_batch=8)
     job = _Job(3, 40)
     unit = p.next_unit(_Core(jobs=deque([job])), None)  # type: ignore[arg-type]
     assert unit is not None and unit.kind == "prefill" and unit.cols == 40
@@ -82,6 +83,15 @@ def test_continuous_chunk_is_at_least_one_column() -> None:
 def test_a_job_that_ran_out_of_memory_gets_smaller_chunks_in_both_modes() -> None:
     """After an out-of-memory retry a job's chunk cap bounds its prefill columns."""
     job = _Job(1, 40, max_cols=10)
-    for policy in (StaticPolicy(max_batch=8), ContinuousPolicy(max_running=8, step_tokens=64)):
+    for policy in (LockstepPolicy(max_batch=8), ContinuousPolicy(max_running=8, step_tokens=64)):
         unit = policy.next_unit(_Core(jobs=deque([job])), None)  # type: ignore[arg-type]
         assert unit is not None and unit.kind == "prefill" and unit.cols == 10
+
+
+def test_static_is_another_name_for_the_lockstep_policy() -> None:
+    """`lockstep`, or its former name `static`, decodes one scheduler batch at a time."""
+    for name in ("lockstep", "static"):
+        policy = make_policy(GenerationConfig(mode=name), max_batch=8)  # type: ignore[arg-type]
+        assert policy == LockstepPolicy(max_batch=8)
+    policy = make_policy(GenerationConfig(mode="continuous", max_running=5), max_batch=8)  # type: ignore[arg-type]
+    assert policy == ContinuousPolicy(max_running=5, step_tokens=256)

@@ -54,8 +54,9 @@ def register(sub: Any) -> None:
     g = p.add_argument_group("text generation (causal LMs)")
     g.add_argument(
         "--decode-mode",
-        choices=[m.value for m in DecodeMode],
-        help="static per-bucket batches or continuous batching (default continuous)",
+        choices=DecodeMode.choices(),
+        help="lockstep per-bucket batches (alias: static) or continuous batching (default "
+        "continuous)",
     )
     g.add_argument(
         "--max-running",
@@ -71,7 +72,7 @@ def register(sub: Any) -> None:
         "--compile",
         action="store_true",
         default=None,
-        help="static shapes (bucket bound x row class, row class x cache width) compiled with "
+        help="fixed shapes (bucket bound x row class, row class x cache width) compiled with "
         "torch.compile at start-up; off by default: on a 2-core AVX2 CPU it costs minutes per "
         "shape and was slower (bench/results/llm_decode_cpu.md)",
     )

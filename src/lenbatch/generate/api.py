@@ -28,7 +28,7 @@ from lenbatch.generate.protocol import (
     ChatRequest,
     CommonOptions,
     CompletionRequest,
-    chunk,
+    envelope,
     obj_line,
     usage,
 )
@@ -59,16 +59,20 @@ def create_llm_app(engine: GenerationService[Any], settings: Settings | None = N
 
     app = engine_app(engine, settings, served, {"max_model_len": engine.info.max_length})
 
+    def accept(body: CommonOptions) -> float:
+        """The arrival time of a call this server can honour; raises its 400 or 404."""
+        arrival = engine.clock.now()
+        check_model(body.model, accepted, served)
+        if (why := body.unsupported()) is not None:
+            raise BadInput(why)
+        return arrival
+
     @app.post("/v1/completions")
     async def completions(
         body: CompletionRequest, request: Request, x_request_timeout: _Timeout = None
     ) -> Response:
         """OpenAI-compatible text completion; each prompt is batched by its own length."""
-        arrival = engine.clock.now()
-        check_model(body.model, accepted, served)
-        why = body.unsupported()
-        if why is not None:
-            raise BadInput(why)
+        arrival = accept(body)
         prompts = await engine.prompt_ids(body.prompt)
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
@@ -81,10 +85,7 @@ def create_llm_app(engine: GenerationService[Any], settings: Settings | None = N
         body: ChatRequest, request: Request, x_request_timeout: _Timeout = None
     ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
-        arrival = engine.clock.now()
-        check_model(body.model, accepted, served)
-        if (why := body.unsupported()) is not None:
-            raise BadInput(why)
+        arrival = accept(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens
@@ -160,15 +161,9 @@ async def _respond(
             choices.append({"index": i, "message": msg, "finish_reason": reason})
         else:
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
-    payload = {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": served,
-        "choices": choices,
-        "usage": usage(seqs),
-        "lenbatch": {"timings": [s.timings_ms() for s in seqs]},
-    }
+    payload = envelope(rid, created, served, choices, chat=chat, chunk=False)
+    payload["usage"] = usage(seqs)
+    payload["lenbatch"] = {"timings": [s.timings_ms() for s in seqs]}
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
@@ -195,25 +190,27 @@ async def _sse(
 ) -> AsyncIterator[str]:
     """The response as server-sent events, `data: [DONE]` last. Errors after the stream has
     started arrive as an `error` event (the status line was already sent)."""
+
+    def chunk(choices: list[Any]) -> dict[str, Any]:
+        return envelope(rid, created, served, choices, chat=chat, chunk=True)
+
     try:
         if chat:
             for i in range(len(seqs)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield chunk(rid, created, served, chat, [dict(first, finish_reason=None)])
+                yield obj_line(chunk([dict(first, finish_reason=None)]))
         async for i, d in _merged(engine, seqs):
             if chat:
                 choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
             else:
                 choice = {"index": i, "text": d.text, "logprobs": None}
             choice["finish_reason"] = d.finish_reason
-            line = chunk(rid, created, served, chat, [choice])
+            obj = chunk([choice])
             if d.finish_reason is not None:
-                obj = json.loads(line[6:])
                 obj["lenbatch"] = {"index": i, "timings": seqs[i].timings_ms()}
-                line = obj_line(obj)
-            yield line
+            yield obj_line(obj)
         if include_usage:
-            obj = json.loads(chunk(rid, created, served, chat, [])[6:])
+            obj = chunk([])
             obj["usage"] = usage(seqs)
             yield obj_line(obj)
     except LenbatchError as err:

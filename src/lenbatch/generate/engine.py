@@ -1,14 +1,22 @@
 """The generation engine: one asyncio loop that admits, schedules and steps a causal LM.
 
-    submit ─► admission ─► queues ─► schedule() ─► prefill jobs ─► decode batch ─► token streams
-                                     (same scheduler as embeddings: length buckets, max wait,
-                                      token budget; the decode policy says how many rows fit)
+    submit ─► admission ─► queues ─► _schedule ─► _execute ─► _update ─► token streams
+                                     (scheduler     (one unit   (deltas, endings,
+                                      + policy)      in worker)  figures)
 
-Each loop iteration admits what the decode policy has room for (through `schedule`, so length
-bucketing works the same in both decode modes), runs one unit (a prefill chunk or a decode step)
-in a worker thread, and delivers the new tokens to each request's stream. Queues and streams are
-only touched on the event loop; the running batch only in the worker, one unit at a time.
-Every admitted request gets exactly one ending: its finish reason, or an explicit error.
+Each turn of the loop is one step, named as in vLLM's `EngineCore.step()`:
+
+* `_schedule`: admit the prefill batches the decode policy has room for, through
+  `core.scheduler.schedule` (the embeddings' scheduler: length buckets, max wait, token budget,
+  the same in both decode modes), and pick the next unit, a prefill chunk or a decode step;
+* `_execute`: run that unit in the worker thread; a unit that raises is recovered from
+  (`generate.failures`: bisect, split, preempt, or fail with an explicit error);
+* `_update`: hand the new tokens to their streams, end finished generations through the ledger,
+  free scheduler slots, record.
+
+Queues and streams are only touched on the event loop; the running batch only in the worker, one
+unit at a time. Every admitted request gets exactly one ending: its finish reason, or an explicit
+error (`serving.ledger`). Submitting and streaming are `generate.streams`.
 """
 
 from __future__ import annotations
@@ -18,71 +26,44 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from lenbatch.config import AdmissionConfig, BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.clock import Clock
-from lenbatch.core.errors import (
-    InputTooLong,
-    LenbatchError,
-    ModelFailed,
-    OutOfMemory,
-    is_out_of_memory,
-)
+from lenbatch.core.errors import InputTooLong, LenbatchError
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
-from lenbatch.generate.core import DecodeCore, UnitResult
+from lenbatch.generate.decode import Decoder, UnitResult
+from lenbatch.generate.failures import Recovery, recover
+from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import Unit, make_policy
-from lenbatch.generate.prompts import Prompts
-from lenbatch.generate.sampling import TextTracker
-from lenbatch.generate.sequence import Sequence, Timings
-from lenbatch.generate.static import make_static
+from lenbatch.generate.prompts import PromptCalls, Prompts
+from lenbatch.generate.shapes import make_fixed_shapes
+from lenbatch.generate.streams import deltas, open_generation, ticket_of
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
-from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.messages import Delta, SamplingParams
 
-__all__ = ["GenerationEngine", "StreamReply"]
+__all__ = ["GenerationEngine", "Scheduled"]
 
 log = logging.getLogger("lenbatch.generate")
 
 
-class StreamReply:
-    """A `Reply` through a sequence's event queue: the stream reads deltas, then its ending.
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """What `_schedule` decided: the unit to run now (None: nothing to run), and when the
+    scheduler wants to be asked again (None: only when woken)."""
 
-    Only the last delta goes through the ledger (`answer`); the ones before it are put on the
-    queue directly while the request is open. An error or a cancellation also takes the
-    sequence out of the running batch at the next step."""
-
-    __slots__ = ("seq",)
-
-    def __init__(self, seq: Sequence) -> None:
-        self.seq = seq
-
-    def give(self, value: Delta) -> None:
-        """The last delta."""
-        self.seq.sink.put_nowait(value)
-
-    def refuse(self, err: LenbatchError) -> None:
-        """The stream raises `err`; the sequence leaves its batch."""
-        self.seq.cancelled = True
-        self.seq.sink.put_nowait(err)
-
-    def withdraw(self) -> None:
-        """The caller left: the sequence leaves its batch."""
-        self.seq.cancelled = True
-
-    @property
-    def abandoned(self) -> bool:
-        """Never on its own: a caller that leaves the stream cancels through the engine."""
-        return False
+    unit: Unit | None
+    wake_at: float | None
 
 
-class GenerationEngine(BaseEngine[Delta]):
-    """Length-bucketed admission and static or continuous decoding in front of a causal LM."""
+class GenerationEngine(PromptCalls, BaseEngine[Delta]):
+    """Length-bucketed admission and lockstep or continuous decoding in front of a causal LM."""
 
     _join_workers_on_stop = True  # a unit may still be running on the model
 
@@ -95,7 +76,7 @@ class GenerationEngine(BaseEngine[Delta]):
         *,
         clock: Clock | None = None,
         length_log: LengthLog | None = None,
-        static_shapes: bool | None = None,
+        fixed_shapes: bool | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -119,24 +100,24 @@ class GenerationEngine(BaseEngine[Delta]):
         self.policy = make_policy(self.generation, self.batching.max_batch)
         self.prompts = Prompts(runner, self.info, self.generation)
         self.lm = LMMetrics()
-        # Static shapes follow `generation.compile`; `static_shapes=True` runs them eager (to
+        # Fixed shapes follow `generation.compile`; `fixed_shapes=True` runs them eager (to
         # check or measure the padding alone).
-        static = None
-        if self.generation.compile or static_shapes:
-            max_rows = (
-                self.generation.max_running
-                if self.generation.mode is DecodeMode.CONTINUOUS
-                else self.batching.max_batch
-            )
-            static = make_static(
+        shapes = None
+        if self.generation.compile or fixed_shapes:
+            shapes = make_fixed_shapes(
                 runner,
                 tuple(p.upper for p in lanes.cfg.lanes),
-                max_rows,
+                self._max_rows(),
                 self.generation.compile_max_width,
                 compile=self.generation.compile,
             )
-        self.core = DecodeCore(runner, self.clock.now, self.policy.release_on_merge, static)
-        self._wake_at: float | None = None
+        self.decoder = Decoder(runner, self.clock.now, self.policy.release_on_merge, shapes)
+
+    def _max_rows(self) -> int:
+        """Most generations decoding at once: the running cap, or one scheduler batch."""
+        if self.generation.mode is DecodeMode.CONTINUOUS:
+            return self.generation.max_running
+        return self.batching.max_batch
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -146,11 +127,11 @@ class GenerationEngine(BaseEngine[Delta]):
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(self._executor, warm_up)
             log.info("model warmed up in %.2f s", time.monotonic() - started)
-        static = self.core.static
-        if static is not None and static.graphs.stats.compiled:
+        shapes = self.decoder.shapes
+        if shapes is not None and shapes.graphs.stats.compiled:
             started = time.monotonic()
-            n = await asyncio.get_running_loop().run_in_executor(self._executor, static.warm_up)
-            log.info("compiled %d static shapes in %.1f s", n, time.monotonic() - started)
+            n = await asyncio.get_running_loop().run_in_executor(self._executor, shapes.warm_up)
+            log.info("compiled %d fixed shapes in %.1f s", n, time.monotonic() - started)
 
     def _release(self) -> None:
         self.prompts.close()
@@ -168,36 +149,22 @@ class GenerationEngine(BaseEngine[Delta]):
     def _extra_stats(self) -> dict[str, Any]:
         out = self.lm.stats()
         out["decode_mode"] = self.mode
-        out["preempted_rows"] = self.core.preempted
-        static = self.core.static
-        out["compile"] = static.graphs.stats.as_dict() if static else {"enabled": False}
+        out["preempted_rows"] = self.decoder.preempted
+        shapes = self.decoder.shapes
+        out["compile"] = shapes.graphs.stats.as_dict() if shapes else {"enabled": False}
         return out
 
     def _extra_prometheus(self) -> bytes:
         return self.lm.prometheus()
 
+    def refresh_memory(self) -> None:
+        """Weights, activations and KV cache, kept apart (activations = peak above weights
+        minus the KV cache's peak, an estimate on CPU where only the process RSS is known)."""
+        mem = self.runner.memory()
+        activations = max(0, mem.peak_activations - self.decoder.kv_peak_bytes)
+        self.metrics.set_memory(mem.weights, activations, mem.device)
+
     # ------------------------------------------------------------------ submitting
-
-    async def prompt_ids(
-        self, raw: str | list[str] | list[int] | list[list[int]]
-    ) -> list[list[int]]:
-        """Token ids of a call's prompts: texts tokenized in a worker thread (then dropped),
-        token arrays as given (`submit` checks them against the vocabulary)."""
-        return await self.prompts.ids(raw)
-
-    @property
-    def has_chat_template(self) -> bool:
-        """True if the tokenizer can format chat messages."""
-        return self.prompts.has_chat_template
-
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat `messages` through the tokenizer's chat template, in a worker
-        thread."""
-        return await self.prompts.chat(messages)
-
-    def context_left(self, prompt_len: int) -> int:
-        """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
-        return self.prompts.context_left(prompt_len)
 
     def submit_all(
         self,
@@ -207,19 +174,18 @@ class GenerationEngine(BaseEngine[Delta]):
         arrival: float | None = None,
         timeout: float | None = None,
         priority: int = 0,
-    ) -> list[Sequence]:
+    ) -> list[Generation]:
         """Queue every prompt of one call; if one is refused, withdraw the others."""
-        seqs: list[Sequence] = []
+        gens: list[Generation] = []
         try:
             for p in prompts:
-                seqs.append(
-                    self.submit(p, params, arrival=arrival, timeout=timeout, priority=priority)
-                )
+                gen = self.submit(p, params, arrival=arrival, timeout=timeout, priority=priority)
+                gens.append(gen)
         except LenbatchError:
-            for s in seqs:
-                self.cancel(s)
+            for g in gens:
+                self.cancel(g)
             raise
-        return seqs
+        return gens
 
     def submit(
         self,
@@ -229,8 +195,8 @@ class GenerationEngine(BaseEngine[Delta]):
         arrival: float | None = None,
         timeout: float | None = None,
         priority: int = 0,
-    ) -> Sequence:
-        """Queue one tokenized prompt; returns its `Sequence` to pass to `stream()`.
+    ) -> Generation:
+        """Queue one tokenized prompt; returns its `Generation` to pass to `stream()`.
 
         `arrival` is when the caller received the request (before tokenizing), for the TTFT
         breakdown. Raises a `LenbatchError` when the request cannot be admitted.
@@ -248,109 +214,107 @@ class GenerationEngine(BaseEngine[Delta]):
             raise refusal
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = None if timeout is None else now + timeout
-        request = Request(len(prompt), now, list(prompt), deadline=deadline, priority=priority)
-        timings = Timings(arrival=now if arrival is None else min(arrival, now), queued=now)
-        seq = Sequence(
-            request,
-            params,
-            TextTracker(self.runner.decode, params.stop),
-            timings,
-            self.runner.device,
+        request: Request[Generation] = Request(
+            len(prompt), now, list(prompt), deadline=deadline, priority=priority
         )
-        seq.sink = asyncio.Queue()
-        request.handle = seq
-        seq.ticket = Ticket(request, StreamReply(seq), arrival=timings.arrival)
+        timings = Timings(arrival=now if arrival is None else min(arrival, now), queued=now)
+        gen = open_generation(request, params, self.runner, timings)
         self.queues.push(request)
-        self.ledger.admit([seq.ticket])
+        self.ledger.admit([ticket_of(gen)])
         self._kick()
-        return seq
+        return gen
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[Delta]:
-        """The deltas of `seq` as they are generated; the last one has a finish reason.
+    async def stream(self, gen: Generation) -> AsyncIterator[Delta]:
+        """The deltas of `gen` as they are generated; the last one has a finish reason.
 
         Raises the request's `LenbatchError` if it fails. Leaving early (break, cancellation,
         client gone) cancels the request so it stops costing compute.
         """
         try:
-            while True:
-                item = await seq.sink.get()
-                if isinstance(item, LenbatchError):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            async for delta in deltas(gen):
+                yield delta
         finally:
-            self.cancel(seq)
+            self.cancel(gen)
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, gen: Generation) -> None:
         """The caller is gone: leave the queue, or leave the batch at the next step."""
-        if seq.ticket is not None:
-            self.ledger.cancel(seq.ticket)
+        if gen.ticket is not None:
+            self.ledger.cancel(gen.ticket)
 
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        last: str | None = None
+        last: str | None = None  # the kind of the unit run last
         while True:
             self._wakeup.clear()
-            self._admit()
-            unit = self.policy.next_unit(self.core, last)
-            if unit is None:
+            scheduled = self._schedule(last)
+            if scheduled.unit is None:
                 last = None
                 self._publish_state()
-                await self._sleep_until_woken(self._wake_at)
+                await self._sleep_until_woken(scheduled.wake_at)
                 continue
-            try:
-                result = await loop.run_in_executor(self._executor, self._run, unit)
-            except Exception as exc:
-                self._on_unit_error(unit, exc)
-                last = None
-                continue
-            last = unit.kind
-            self._deliver(result)
+            executed = await self._execute(scheduled.unit)
+            last = executed.kind if isinstance(executed, UnitResult) else None
+            self._update(executed)
 
-    def _admit(self) -> None:
-        """Ask the scheduler for prefill batches if the decode policy has room."""
-        self._wake_at = None
-        room = self.policy.capacity(self.core)
-        if room <= 0 or self.queues.size == 0:
-            return
-        cfg = self.cfg
-        if any(p.max_batch > room for p in cfg.lanes):
-            lanes = tuple(
-                dataclasses.replace(p, max_batch=min(p.max_batch, room)) for p in cfg.lanes
-            )
-            cfg = dataclasses.replace(cfg, lanes=lanes)
-        now = self.clock.now()
-        decision = schedule(self.queues, now, cfg)
-        for r in decision.expired:
-            self.ledger.expire(_ticket(r.handle))
-        for batch in decision.batches:
-            seqs = [r.handle for r in batch.requests]
-            for s in seqs:
-                s.timings.admitted = now
-                self.ledger.start(_ticket(s), now)
-            self.core.add_job(batch.lane, seqs, cfg.lanes[batch.lane].pad_to)
-        self._wake_at = decision.wake_at
-        self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
+    def _schedule(self, last: str | None) -> Scheduled:
+        """Admit prefill batches if the decode policy has room; pick the next unit."""
+        wake_at = None
+        room = self.policy.capacity(self.decoder)
+        if room > 0 and self.queues.size > 0:
+            cfg = self.cfg
+            if any(p.max_batch > room for p in cfg.lanes):
+                lanes = tuple(
+                    dataclasses.replace(p, max_batch=min(p.max_batch, room)) for p in cfg.lanes
+                )
+                cfg = dataclasses.replace(cfg, lanes=lanes)
+            now = self.clock.now()
+            decision = schedule(self.queues, now, cfg)
+            for r in decision.expired:
+                self.ledger.expire(ticket_of(r.handle))
+            for batch in decision.batches:
+                gens = [r.handle for r in batch.requests]
+                for g in gens:
+                    g.timings.admitted = now
+                    self.ledger.start(ticket_of(g), now)
+                self.decoder.add_job(batch.lane, gens, cfg.lanes[batch.lane].pad_to)
+            wake_at = decision.wake_at
+            self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
+        return Scheduled(self.policy.next_unit(self.decoder, last), wake_at)
+
+    async def _execute(self, unit: Unit) -> UnitResult | Recovery:
+        """Run `unit` in the worker thread; if it raises, recover (on the event loop, the
+        worker being idle then)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self._run, unit)
+        except Exception as exc:
+            return recover(self.decoder, unit, exc)
 
     def _run(self, unit: Unit) -> UnitResult:
         """Worker thread: run one unit."""
         if unit.kind == "prefill":
             assert unit.job is not None
-            return self.core.prefill(unit.job, unit.cols)
-        return self.core.decode()
+            return self.decoder.prefill(unit.job, unit.cols)
+        return self.decoder.decode()
+
+    def _update(self, executed: UnitResult | Recovery) -> None:
+        """Event loop: deliver what a unit produced, or end what its failure cost."""
+        if isinstance(executed, Recovery):
+            self._recovered(executed)
+        else:
+            self._deliver(executed)
+        self._publish_state()
 
     def _deliver(self, result: UnitResult) -> None:
-        """Event loop: hand new tokens to their streams, end finished sequences, record."""
+        """Hand new tokens to their streams, end finished generations, record."""
         now = self.clock.now()
-        for seq, delta in result.deltas:
-            ticket = _ticket(seq)
+        for gen, delta in result.deltas:
+            ticket = ticket_of(gen)
             if ticket.finished:
                 continue  # cancelled while the unit ran
-            t = seq.timings
+            t = gen.timings
             gaps = []
             if not t.token_times:
                 t.first_token = now
@@ -360,10 +324,10 @@ class GenerationEngine(BaseEngine[Delta]):
             t.token_times.append(now)
             self.lm.record_tokens(len(delta.token_ids), gaps)
             if delta.finish_reason is None:
-                seq.sink.put_nowait(delta)
+                gen.sink.put_nowait(delta)
             else:
                 t.finished = now
-                self.lm.record_finished(t.finished - t.arrival, seq.prompt_tokens)
+                self.lm.record_finished(t.finished - t.arrival, gen.prompt_tokens)
                 self.ledger.answer(ticket, delta)
         for lane in result.released_lanes:
             self.queues.batch_done(lane)
@@ -372,79 +336,31 @@ class GenerationEngine(BaseEngine[Delta]):
         )
         job = result.job
         if result.finished_job and job is not None:
-            for s in job.seqs:
-                _ticket(s).exec_s = s.timings.prefill_compute or None
+            for g in job.gens:
+                ticket_of(g).exec_s = g.timings.prefill_compute or None
             b = job.batch
             self.metrics.record_batch(
                 job.lane,
                 job.rows,
                 b.real_tokens,
                 b.padded_tokens,
-                job.seqs[0].timings.prefill_compute,
-                [s.timings.admitted - s.timings.queued for s in job.seqs],
+                job.gens[0].timings.prefill_compute,
+                [g.timings.admitted - g.timings.queued for g in job.gens],
             )
-        self._publish_state()
+
+    def _recovered(self, recovery: Recovery) -> None:
+        """End the generations a failed unit cost, each with its error; free their slots."""
+        if recovery.out_of_memory:
+            self.lm.record_oom(recovery.kind)
+        for gen, err in recovery.failed:
+            self.ledger.fail(ticket_of(gen), err)
+        for lane in recovery.released_lanes:
+            self.queues.batch_done(lane)
 
     def _publish_state(self) -> None:
-        core = self.core
+        d = self.decoder
         self.lm.set_state(
-            core.kv_bytes(),
-            core.kv_real_bytes(),
-            core.kv_peak_bytes,
-            core.running_rows,
-            core.pending_rows,
+            d.kv_bytes(), d.kv_real_bytes(), d.kv_peak_bytes, d.running_rows, d.pending_rows
         )
-        if core.static is not None:
-            self.lm.set_compile(core.static.graphs.stats.as_dict())
-
-    def refresh_memory(self) -> None:
-        """Weights, activations and KV cache, kept apart (activations = peak above weights
-        minus the KV cache's peak, an estimate on CPU where only the process RSS is known)."""
-        mem = self.runner.memory()
-        activations = max(0, mem.peak_activations - self.core.kv_peak_bytes)
-        self.metrics.set_memory(mem.weights, activations, mem.device)
-
-    # ------------------------------------------------------------------ failures and endings
-
-    def _on_unit_error(self, unit: Unit, exc: Exception) -> None:
-        name = type(exc).__name__
-        if is_out_of_memory(exc):
-            self._on_out_of_memory(unit)
-            return
-        if unit.kind == "prefill" and unit.job is not None:
-            log.warning("prefill of %d prompts failed (%s); bisecting", unit.job.rows, name)
-            failed, lanes = self.core.fail_job(unit.job)
-            msg = f"the model failed on this prompt ({name}); others are unaffected"
-        else:
-            log.warning("decode step of %d rows failed (%s)", self.core.running_rows, name)
-            failed, lanes = self.core.fail_running()
-            msg = f"the model failed during decoding ({name})"
-        for seq in failed:
-            self._fail(seq, ModelFailed(msg))
-        for lane in lanes:
-            self.queues.batch_done(lane)
-
-    def _on_out_of_memory(self, unit: Unit) -> None:
-        """Split and retry: a prefill job is halved (or, one row, chunked finer), a decode
-        batch hands its newest half back to prefill. Only a single row that runs out of memory
-        at the smallest size fails, with 503 and Retry-After."""
-        self.lm.record_oom(unit.kind)
-        if unit.kind == "prefill" and unit.job is not None:
-            log.warning("prefill of %d prompts ran out of memory; splitting", unit.job.rows)
-            failed, lanes = self.core.oom_job(unit.job, unit.cols)
-        else:
-            log.warning("decode step of %d rows ran out of memory", self.core.running_rows)
-            failed, lanes = self.core.oom_running()
-        for seq in failed:
-            self._fail(seq, OutOfMemory("the model ran out of memory on this prompt alone"))
-        for lane in lanes:
-            self.queues.batch_done(lane)
-
-    def _fail(self, seq: Sequence, err: LenbatchError) -> None:
-        self.ledger.fail(_ticket(seq), err)
-
-
-def _ticket(seq: Sequence) -> Ticket[Delta]:
-    if seq.ticket is None:
-        raise RuntimeError(f"bug: sequence of request {seq.request.id} was never admitted")
-    return seq.ticket
+        if d.shapes is not None:
+            self.lm.set_compile(d.shapes.graphs.stats.as_dict())

@@ -129,7 +129,7 @@ class WindowLayer(DynamicLayer):
 
     def fit(self, rows_cap: int, cols_cap: int) -> None:
         """Make the buffers exactly `[rows_cap, heads, cols_cap, dim]` with a free column after
-        the window (the static-shape decode writes there): reallocate when the shape differs,
+        the window (the fixed-shape decode writes there): reallocate when the shape differs,
         else, when the window reaches the buffer's end, move it back to column 0 (one copy)."""
         assert self.kbuf is not None and self.vbuf is not None
         width = self.width
@@ -151,7 +151,7 @@ class WindowLayer(DynamicLayer):
         self._view()
 
     def wrote_column(self) -> None:
-        """The static-shape decode wrote one column at the window's end: take it in."""
+        """The fixed-shape decode wrote one column at the window's end: take it in."""
         self.end += 1
         self._view()
 
@@ -342,9 +342,9 @@ class KVBatch:
         self.next_pos = torch.cat([self.next_pos, next_pos])
         self.last = torch.cat([self.last, last])
 
-    def fit_static(self, classes: Any, needed: int) -> tuple[int, int]:
-        """Refit every layer's buffers to the static shape class for this batch with `needed`
-        columns (`generate.static.ShapeClasses`); returns (row class, width class)."""
+    def fit_shape(self, classes: Any, needed: int) -> tuple[int, int]:
+        """Refit every layer's buffers to the fixed shape class for this batch with `needed`
+        columns (`generate.shapes.ShapeClasses`); returns (row class, width class)."""
         layers = self._layers()
         buf = layers[0].kbuf
         assert buf is not None
@@ -368,7 +368,7 @@ class KVBatch:
         return keys, values  # type: ignore[return-value]
 
     def wrote_column(self) -> None:
-        """A static-shape decode step wrote its column into every layer's buffers."""
+        """A fixed-shape decode step wrote its column into every layer's buffers."""
         for layer in self._layers():
             layer.wrote_column()
 

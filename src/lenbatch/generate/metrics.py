@@ -9,115 +9,87 @@ bounded window of recent samples feeds the `/stats` percentiles.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from lenbatch.generate.sequence import STAGES
-from lenbatch.serving.metrics import percentile
+from lenbatch.generate.generation import STAGES
+from lenbatch.serving.metrics import (
+    BATCH_BUCKETS,
+    LATENCY_BUCKETS,
+    Series,
+    mean_ms,
+    percentiles_ms,
+    window,
+)
 
 __all__ = ["LMMetrics"]
 
-_SECONDS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
-_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_WINDOW = 10_000
+_SECONDS = (*LATENCY_BUCKETS, 60.0)  # a whole generation may take a minute
 
 
-class LMMetrics:
+class LMMetrics(Series):
     """Recorder of generation figures for one engine."""
 
     def __init__(self) -> None:
+        super().__init__(seconds=_SECONDS)
         self.started = time.time()
-        r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "lenbatch_llm_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r
-        )
-        self.stage = Histogram(
+        h, c, g = self.histogram, self.counter, self.gauge
+        self.ttft = h("lenbatch_llm_ttft_seconds", "Time to first token")
+        self.stage = h(
             "lenbatch_llm_ttft_stage_seconds",
             "Time to first token by stage (the stages sum to the TTFT)",
-            ["stage"],
-            buckets=_SECONDS,
-            registry=r,
+            "stage",
         )
-        self.itl = Histogram(
-            "lenbatch_llm_inter_token_seconds",
-            "Gap between consecutive tokens of one sequence",
-            buckets=_SECONDS,
-            registry=r,
+        self.itl = h(
+            "lenbatch_llm_inter_token_seconds", "Gap between consecutive tokens of one sequence"
         )
-        self.e2e = Histogram(
-            "lenbatch_llm_e2e_seconds", "Arrival to last token", buckets=_SECONDS, registry=r
-        )
-        self.prompt_tokens = Counter(
-            "lenbatch_llm_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
-        self.generated = Counter("lenbatch_llm_generated_tokens", "Tokens generated", registry=r)
-        self.steps = Counter("lenbatch_llm_steps", "Units run, by kind", ["kind"], registry=r)
-        self.step_time = Histogram(
+        self.e2e = h("lenbatch_llm_e2e_seconds", "Arrival to last token")
+        self.prompt_tokens = c("lenbatch_llm_prompt_tokens", "Prompt tokens of finished requests")
+        self.generated = c("lenbatch_llm_generated_tokens", "Tokens generated")
+        self.steps = c("lenbatch_llm_steps", "Units run, by kind", "kind")
+        self.step_time = h(
             "lenbatch_llm_step_seconds",
             "Forward time of one unit (prefill chunk or decode step)",
-            ["kind"],
-            buckets=_SECONDS,
-            registry=r,
+            "kind",
         )
-        self.decode_rows = Histogram(
-            "lenbatch_llm_decode_batch_size", "Sequences per decode step", buckets=_ROWS, registry=r
+        self.decode_rows = h(
+            "lenbatch_llm_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS
         )
-        self.kv_real = Counter(
-            "lenbatch_llm_decode_kv_real_tokens",
-            "Cached tokens attended in decode steps (real)",
-            registry=r,
+        self.kv_real = c(
+            "lenbatch_llm_decode_kv_real_tokens", "Cached tokens attended in decode steps (real)"
         )
-        self.kv_padded = Counter(
+        self.kv_padded = c(
             "lenbatch_llm_decode_kv_padded_tokens",
             "Cached columns attended in decode steps (padding included)",
-            registry=r,
         )
-        self.kv_bytes = Gauge(
-            "lenbatch_llm_kv_cache_bytes", "KV-cache bytes held now (padding included)", registry=r
+        self.kv_bytes = g(
+            "lenbatch_llm_kv_cache_bytes", "KV-cache bytes held now (padding included)"
         )
-        self.kv_real_bytes = Gauge(
-            "lenbatch_llm_kv_cache_real_bytes", "KV-cache bytes holding real tokens", registry=r
+        self.kv_real_bytes = g(
+            "lenbatch_llm_kv_cache_real_bytes", "KV-cache bytes holding real tokens"
         )
-        self.kv_peak = Gauge(
-            "lenbatch_llm_kv_cache_peak_bytes", "Highest KV-cache bytes held", registry=r
+        self.kv_peak = g("lenbatch_llm_kv_cache_peak_bytes", "Highest KV-cache bytes held")
+        self.running = g("lenbatch_llm_running_sequences", "Sequences in the decode batch")
+        self.pending = g(
+            "lenbatch_llm_prefill_pending_sequences", "Admitted sequences waiting for prefill"
         )
-        self.running = Gauge(
-            "lenbatch_llm_running_sequences", "Sequences in the decode batch", registry=r
-        )
-        self.pending = Gauge(
-            "lenbatch_llm_prefill_pending_sequences",
-            "Admitted sequences waiting for prefill",
-            registry=r,
-        )
-        self.oom = Counter(
+        self.oom = c(
             "lenbatch_llm_out_of_memory",
             "Units that ran out of memory (split and retried), by kind",
-            ["kind"],
-            registry=r,
+            "kind",
         )
-        self.graphs = Gauge(
-            "lenbatch_llm_compiled_graphs", "Static shapes compiled (--compile)", registry=r
-        )
-        self.compile_s = Gauge(
-            "lenbatch_llm_compile_seconds", "Seconds spent compiling static shapes", registry=r
-        )
-        self.static_calls = Gauge(
+        self.graphs = g("lenbatch_llm_compiled_graphs", "Fixed shapes compiled (--compile)")
+        self.compile_s = g("lenbatch_llm_compile_seconds", "Seconds spent compiling fixed shapes")
+        self.compiled_units = g(
             "lenbatch_llm_compiled_units",
-            "Units run by a compiled graph (hit) or eager for want of a static shape (miss)",
-            ["result"],
-            registry=r,
+            "Units run by a compiled graph (hit) or eager for want of a fixed shape (miss)",
+            "result",
         )
         self._oom = {"prefill": 0, "decode": 0}
-        self._ttft: deque[float] = deque(maxlen=_WINDOW)
-        self._stages: dict[str, deque[float]] = {s: deque(maxlen=_WINDOW) for s in STAGES}
-        self._itl: deque[float] = deque(maxlen=_WINDOW)
-        self._e2e: deque[float] = deque(maxlen=_WINDOW)
+        self._ttft = window()
+        self._stages = {s: window() for s in STAGES}
+        self._itl = window()
+        self._e2e = window()
         self._tokens = 0
         self._decode_real = 0
         self._decode_padded = 0
@@ -179,27 +151,23 @@ class LMMetrics:
         self.pending.set(pending)
 
     def set_compile(self, stats: Mapping[str, Any]) -> None:
-        """Compiled graphs, compile seconds and hits/misses (`StaticGraphs.stats`)."""
+        """Compiled graphs, compile seconds and hits/misses (`ShapeGraphs.stats`)."""
         self.graphs.set(stats["graphs"])
         self.compile_s.set(stats["compile_s"])
-        self.static_calls.labels("hit").set(stats["hits"])
-        self.static_calls.labels("miss").set(stats["misses"])
-
-    def prometheus(self) -> bytes:
-        """Prometheus text exposition of the generation series."""
-        return generate_latest(self.registry)
+        self.compiled_units.labels("hit").set(stats["hits"])
+        self.compiled_units.labels("miss").set(stats["misses"])
 
     def stats(self) -> dict[str, Any]:
         """JSON-ready summary: TTFT and its stages, ITL, e2e, throughput, decode KV waste."""
         up = time.time() - self.started
         return {
-            "ttft_ms": _pcts(self._ttft),
+            "ttft_ms": percentiles_ms(self._ttft),
             "ttft_stages_ms": {
-                name: {"mean": _mean_ms(v), "p50": _p_ms(v, 50), "p95": _p_ms(v, 95)}
+                name: {"mean": mean_ms(v), **percentiles_ms(v, (50, 95))}
                 for name, v in self._stages.items()
             },
-            "inter_token_ms": _pcts(self._itl),
-            "e2e_ms": _pcts(self._e2e),
+            "inter_token_ms": percentiles_ms(self._itl),
+            "e2e_ms": percentiles_ms(self._e2e),
             "generated_tokens": self._tokens,
             "generated_tokens_per_s": self._tokens / up if up > 0 else 0.0,
             "decode_kv_padding_waste": 1 - self._decode_real / self._decode_padded
@@ -218,15 +186,3 @@ class LMMetrics:
             if self._step_n["decode"]
             else None,
         }
-
-
-def _p_ms(values: deque[float], q: float) -> float | None:
-    return 1000 * percentile(values, q) if values else None
-
-
-def _mean_ms(values: deque[float]) -> float | None:
-    return 1000 * sum(values) / len(values) if values else None
-
-
-def _pcts(values: deque[float]) -> dict[str, float | None]:
-    return {"p50": _p_ms(values, 50), "p95": _p_ms(values, 95), "p99": _p_ms(values, 99)}

@@ -3,9 +3,9 @@
 Both modes take prefill batches from the same queues and scheduler (`lenbatch.core.scheduler`), so
 length bucketing, max wait and the token budget mean the same in both; they differ only here.
 
-* `static`: a scheduler batch is prefilled in one pass and decoded together until every row has
-  finished; rows that finish leave the batch (and its KV cache) at once, but nobody joins until
-  the batch is empty.
+* `lockstep` (alias `static`): a scheduler batch is prefilled in one pass and decoded together
+  until every row has finished; rows that finish leave the batch (and its KV cache) at once, but
+  nobody joins until the batch is empty.
 * `continuous`: iteration-level scheduling. New batches are admitted whenever the running batch
   has room (`max_running`); they are prefilled in chunks of at most `step_tokens` tokens minus the
   running rows, alternating with decode steps, so a long prompt never stalls running streams for
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from lenbatch.config import DecodeMode, GenerationConfig
-from lenbatch.generate.core import DecodeCore, PrefillJob
+from lenbatch.generate.decode import Decoder, PrefillJob
 
-__all__ = ["ContinuousPolicy", "DecodePolicy", "StaticPolicy", "Unit", "make_policy"]
+__all__ = ["ContinuousPolicy", "DecodePolicy", "LockstepPolicy", "Unit", "make_policy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,32 +40,32 @@ class DecodePolicy(Protocol):
         """True when a batch frees its scheduler slot as soon as it joins the decode batch."""
         ...
 
-    def capacity(self, core: DecodeCore) -> int:
+    def capacity(self, decoder: Decoder) -> int:
         """How many new sequences may be admitted now (0: do not ask the scheduler)."""
         ...
 
-    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+    def next_unit(self, decoder: Decoder, last: str | None) -> Unit | None:
         """The next unit to run (None when idle); `last` is the kind of the previous unit."""
         ...
 
 
 @dataclass(frozen=True, slots=True)
-class StaticPolicy:
-    """Static batches: admit only into an empty engine; prefill whole; decode to the end."""
+class LockstepPolicy:
+    """Lockstep batches: admit only into an empty engine; prefill whole; decode to the end."""
 
     max_batch: int
     release_on_merge: bool = False
 
-    def capacity(self, core: DecodeCore) -> int:
+    def capacity(self, decoder: Decoder) -> int:
         """A full batch when nothing is running or waiting for prefill, else nothing."""
-        return self.max_batch if core.idle else 0
+        return self.max_batch if decoder.idle else 0
 
-    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+    def next_unit(self, decoder: Decoder, last: str | None) -> Unit | None:
         """Prefill a waiting batch in one pass, else decode."""
-        if core.jobs:
-            job = core.jobs[0]
+        if decoder.jobs:
+            job = decoder.jobs[0]
             return Unit("prefill", job, min(job.remaining, job.max_cols or job.remaining))
-        if core.running_rows:
+        if decoder.running_rows:
             return Unit("decode")
         return None
 
@@ -78,26 +78,26 @@ class ContinuousPolicy:
     step_tokens: int
     release_on_merge: bool = True
 
-    def capacity(self, core: DecodeCore) -> int:
+    def capacity(self, decoder: Decoder) -> int:
         """Free room in the running batch, counting rows already waiting for prefill."""
-        return max(0, self.max_running - core.running_rows - core.pending_rows)
+        return max(0, self.max_running - decoder.running_rows - decoder.pending_rows)
 
-    def next_unit(self, core: DecodeCore, last: str | None) -> Unit | None:
+    def next_unit(self, decoder: Decoder, last: str | None) -> Unit | None:
         """Alternate prefill chunks and decode steps while both have work."""
-        if core.jobs and (not core.running_rows or last != "prefill"):
-            job = core.jobs[0]
-            budget = self.step_tokens - core.running_rows
+        if decoder.jobs and (not decoder.running_rows or last != "prefill"):
+            job = decoder.jobs[0]
+            budget = self.step_tokens - decoder.running_rows
             cols = max(1, budget // job.rows)
             if job.max_cols is not None:
                 cols = min(cols, job.max_cols)
             return Unit("prefill", job, min(cols, job.remaining))
-        if core.running_rows:
+        if decoder.running_rows:
             return Unit("decode")
         return None
 
 
 def make_policy(cfg: GenerationConfig, max_batch: int) -> DecodePolicy:
     """The policy for `cfg.mode`; `max_batch` is the batching config's batch limit."""
-    if cfg.mode is DecodeMode.STATIC:
-        return StaticPolicy(max_batch)
+    if cfg.mode is DecodeMode.LOCKSTEP:
+        return LockstepPolicy(max_batch)
     return ContinuousPolicy(cfg.max_running, cfg.step_tokens)

@@ -20,7 +20,7 @@ from lenbatch.core.errors import BadInput, InputTooLong
 from lenbatch.runners.base import ModelInfo
 from lenbatch.serving.messages import SamplingParams
 
-__all__ = ["PromptTokenizer", "Prompts"]
+__all__ = ["PromptCalls", "PromptTokenizer", "Prompts"]
 
 _THREADS = 2  # one long prompt tokenizing leaves a thread for everyone else
 
@@ -118,3 +118,32 @@ class Prompts:
     def close(self) -> None:
         """Stop the worker threads (a prompt still tokenizing finishes first)."""
         self._pool.shutdown(wait=False)
+
+
+class PromptCalls:
+    """The prompt calls of `GenerationService` (`prompt_ids`, `chat_prompt`,
+    `has_chat_template`, `context_left`), answered by the front-end's `prompts`: what the
+    single server's engine and the Ray ingress inherit alike."""
+
+    prompts: Prompts
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True if the tokenizer can format chat messages."""
+        return self.prompts.has_chat_template
+
+    async def prompt_ids(
+        self, raw: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        """Token ids of a call's prompts: texts tokenized in a worker thread (then dropped),
+        token arrays as given (checked against the vocabulary at submission)."""
+        return await self.prompts.ids(raw)
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` through the tokenizer's chat template, in a worker
+        thread. Raises `BadInput` when the model has no chat template."""
+        return await self.prompts.chat(messages)
+
+    def context_left(self, prompt_len: int) -> int:
+        """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
+        return self.prompts.context_left(prompt_len)

@@ -27,7 +27,7 @@ __all__ = [
     "CommonOptions",
     "CompletionRequest",
     "StreamOptions",
-    "chunk",
+    "envelope",
     "obj_line",
     "usage",
 ]
@@ -171,16 +171,15 @@ def usage(seqs: Sequence[GenerationHandle]) -> dict[str, int]:
     }
 
 
-def chunk(rid: str, created: int, served: str, chat: bool, choices: list[Any]) -> str:
-    """One streamed chunk (`text_completion` or `chat.completion.chunk`) as an SSE line."""
-    obj = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": served,
-        "choices": choices,
-    }
-    return obj_line(obj)
+def envelope(
+    rid: str, created: int, served: str, choices: list[Any], *, chat: bool, chunk: bool
+) -> dict[str, Any]:
+    """What a completion response (or, `chunk`, one streamed chunk of it) starts with: its id,
+    OpenAI `object` kind, creation time, model and choices."""
+    kind = "text_completion"
+    if chat:
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+    return {"id": rid, "object": kind, "created": created, "model": served, "choices": choices}
 
 
 def obj_line(obj: dict[str, Any]) -> str:

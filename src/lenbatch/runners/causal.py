@@ -31,6 +31,7 @@ __all__ = [
     "CausalLMRunner",
     "CausalModelRef",
     "is_causal_folder",
+    "last_logits",
     "new_cache",
     "resolve_causal_model",
     "smollm2_folder",
@@ -70,6 +71,23 @@ def is_causal_folder(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
+def last_logits(
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> torch.Tensor:
+    """Logits `[rows, vocab]` (float32) of the last column of one forward pass of `model`;
+    `cache` (any transformers cache) takes the new columns' keys and values."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits: torch.Tensor = out.logits[:, -1, :].float()
+    return logits
 
 
 def new_cache(config: Any = None) -> Any:
@@ -194,16 +212,7 @@ class CausalLMRunner:
         `mask` covers the cached columns plus the new ones; `positions` are per-row positions
         of the new columns (left padding: 0 at each row's first real token).
         """
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits: torch.Tensor = out.logits[:, -1, :].float()
-        return logits
+        return last_logits(self.model, input_ids, mask, positions, cache)
 
     def warm_up(self) -> None:
         """One small prefill and decode step, so the first request does not pay for lazy

@@ -4,13 +4,17 @@ wait, execution time, end-to-end latency, queue depths, memory.
 `Metrics` keeps Prometheus series in a private registry (for `/metrics`) and a bounded window of
 recent samples (for `/stats` percentiles). Padding waste is token-weighted:
 `1 - sum(real) / sum(padded)`. Nothing here ever sees request text.
+
+`Series` (a recorder's own registry, one call per series) and the window and percentile helpers
+are how every recorder declares and reads its figures: `Metrics` here, the generation figures
+(`lenbatch.generate.metrics`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +23,73 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from lenbatch.core.totals import percentile
 from lenbatch.runners.memory import peak_rss
 
-__all__ = ["BucketWork", "Metrics", "bucket_totals", "bucket_work", "percentile"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "LATENCY_BUCKETS",
+    "BucketWork",
+    "Metrics",
+    "Series",
+    "bucket_totals",
+    "bucket_work",
+    "mean_ms",
+    "percentile",
+    "percentiles_ms",
+    "window",
+]
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
     1.0, 1.5, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _WASTE_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 _WINDOW = 10_000
+
+
+def window() -> deque[float]:
+    """A bounded window of recent samples (seconds) for the `/stats` percentiles."""
+    return deque(maxlen=_WINDOW)
+
+
+def percentiles_ms(
+    values: Sequence[float], qs: Iterable[float] = (50, 95, 99), key: str = "p{}"
+) -> dict[str, float | None]:
+    """Percentiles `qs` of `values` (seconds) in milliseconds, keyed `key.format(q)`; None
+    when there are no values."""
+    return {key.format(q): 1000 * percentile(values, q) if values else None for q in qs}
+
+
+def mean_ms(values: Sequence[float]) -> float | None:
+    """Mean of `values` (seconds) in milliseconds; None when there are none."""
+    return 1000 * sum(values) / len(values) if values else None
+
+
+class Series:
+    """A recorder's Prometheus series, in a registry of its own (so one engine's figures never
+    mix with another's); each series is declared by one call."""
+
+    def __init__(self, seconds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.registry = CollectorRegistry()
+        self.seconds = tuple(seconds)  # a histogram's buckets unless it is given its own
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        """A counter, labelled by `labels`."""
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        """A gauge, labelled by `labels`."""
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def histogram(
+        self, name: str, doc: str, *labels: str, buckets: Sequence[float] | None = None
+    ) -> Histogram:
+        """A histogram of `buckets` (by default `seconds`), labelled by `labels`."""
+        bounds = self.seconds if buckets is None else buckets
+        return Histogram(name, doc, labels, buckets=bounds, registry=self.registry)
+
+    def prometheus(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
 
 
 @dataclass
@@ -37,133 +99,84 @@ class _LaneStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     exec_s: float = 0.0
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
-    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    waits: deque[float] = field(default_factory=window)
+    latencies: deque[float] = field(default_factory=window)
 
 
-class Metrics:
+class Metrics(Series):
     """Recorder for one engine: call `record_batch` per batch and `record_request` per answer."""
 
     def __init__(self, lane_labels: Sequence[str], strategy: str) -> None:
+        super().__init__()
         self.labels = list(lane_labels)
         self.strategy = strategy
         self.started = time.time()
-        self.registry = CollectorRegistry()
-        r = self.registry
-        lb = ["bucket"]
-        self.batch_size = Histogram(
-            "lenbatch_batch_size", "Requests per batch", lb, buckets=_BATCH_BUCKETS, registry=r
-        )
-        self.real_tokens = Counter("lenbatch_real_tokens", "Input tokens computed", lb, registry=r)
-        self.padded_tokens = Counter(
-            "lenbatch_padded_tokens", "Tokens computed including padding", lb, registry=r
-        )
-        self.batch_waste = Histogram(
+        b, h, c, g = "bucket", self.histogram, self.counter, self.gauge
+        self.batch_size = h("lenbatch_batch_size", "Requests per batch", b, buckets=BATCH_BUCKETS)
+        self.real_tokens = c("lenbatch_real_tokens", "Input tokens computed", b)
+        self.padded_tokens = c("lenbatch_padded_tokens", "Tokens computed including padding", b)
+        self.batch_waste = h(
             "lenbatch_batch_padding_waste",
             "Padding waste per batch (1 - real/padded)",
-            lb,
+            b,
             buckets=_WASTE_BUCKETS,
-            registry=r,
         )
-        self.waste = Gauge(
-            "lenbatch_padding_waste", "Token-weighted padding waste since start", lb, registry=r
+        self.waste = g("lenbatch_padding_waste", "Token-weighted padding waste since start", b)
+        self.queue_wait = h("lenbatch_queue_wait_seconds", "Time from arrival to batch start", b)
+        self.exec_time = h("lenbatch_batch_exec_seconds", "Model execution time per batch", b)
+        self.latency = h("lenbatch_request_latency_seconds", "Arrival to answer, per input", b)
+        self.depth = g("lenbatch_queue_depth", "Requests waiting", b)
+        self.requests = c("lenbatch_requests", "Answered inputs by outcome", b, "status")
+        self.rejected = c("lenbatch_rejected", "Calls refused at admission", "reason")
+        self.inflight = g("lenbatch_batches_in_flight", "Batches running or prepared")
+        self.failures = c(
+            "lenbatch_model_failures", "Failed model calls by kind (error, oom, crash)", b, "kind"
         )
-        self.queue_wait = Histogram(
-            "lenbatch_queue_wait_seconds",
-            "Time from arrival to batch start",
-            lb,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.batch_cap = g(
+            "lenbatch_batch_cap", "Max batch in force (lowered after out-of-memory)", b
         )
-        self.exec_time = Histogram(
-            "lenbatch_batch_exec_seconds",
-            "Model execution time per batch",
-            lb,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.latency = Histogram(
-            "lenbatch_request_latency_seconds",
-            "Arrival to answer, per input",
-            lb,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.depth = Gauge("lenbatch_queue_depth", "Requests waiting", lb, registry=r)
-        self.requests = Counter(
-            "lenbatch_requests", "Answered inputs by outcome", ["bucket", "status"], registry=r
-        )
-        self.rejected = Counter(
-            "lenbatch_rejected", "Calls refused at admission", ["reason"], registry=r
-        )
-        self.inflight = Gauge(
-            "lenbatch_batches_in_flight", "Batches running or prepared", registry=r
-        )
-        self.failures = Counter(
-            "lenbatch_model_failures",
-            "Failed model calls by kind (error, oom, crash)",
-            ["bucket", "kind"],
-            registry=r,
-        )
-        self.batch_cap = Gauge(
-            "lenbatch_batch_cap", "Max batch in force (lowered after out-of-memory)", lb, registry=r
-        )
-        self.ready = Gauge("lenbatch_ready", "1 while the engine accepts requests", registry=r)
-        self.peak_rss = Gauge("lenbatch_peak_rss_bytes", "Process RSS high-water mark", registry=r)
-        self.weights = Gauge("lenbatch_weights_bytes", "Model parameter bytes", registry=r)
-        self.activations = Gauge(
-            "lenbatch_peak_activation_bytes", "Peak memory above weights", registry=r
-        )
+        self.ready = g("lenbatch_ready", "1 while the engine accepts requests")
+        self.peak_rss = g("lenbatch_peak_rss_bytes", "Process RSS high-water mark")
+        self.weights = g("lenbatch_weights_bytes", "Model parameter bytes")
+        self.activations = g("lenbatch_peak_activation_bytes", "Peak memory above weights")
         # strategy adaptive (zero elsewhere): its decisions, model and counters
-        self.fill_window = Gauge(
+        self.fill_window = g(
             "lenbatch_adaptive_fill_window_seconds",
             "How long a lane may wait to fill its batch now (adaptive)",
-            lb,
-            registry=r,
+            b,
         )
-        self.target_batch = Gauge(
-            "lenbatch_adaptive_target_batch", "The batch a lane waits for now (adaptive)", lb,
-            registry=r,
-        )  # fmt: skip
-        self.arrival_rate = Gauge(
-            "lenbatch_adaptive_arrival_rate", "Estimated arrivals per second (adaptive)", lb,
-            registry=r,
-        )  # fmt: skip
-        self.cost_coef = Gauge(
+        self.target_batch = g(
+            "lenbatch_adaptive_target_batch", "The batch a lane waits for now (adaptive)", b
+        )
+        self.arrival_rate = g(
+            "lenbatch_adaptive_arrival_rate", "Estimated arrivals per second (adaptive)", b
+        )
+        self.cost_coef = g(
             "lenbatch_cost_model",
             "Online cost model a + b*B*L + c*B*L^2 seconds: coefficient by term",
-            ["term"],
-            registry=r,
+            "term",
         )
-        self.cost_error = Gauge(
-            "lenbatch_cost_model_fit_error", "Relative RMS error of the online fit", registry=r
-        )
-        self.merges = Counter(
+        self.cost_error = g("lenbatch_cost_model_fit_error", "Relative RMS error of the online fit")
+        self.merges = c(
             "lenbatch_merges",
             "Requests that joined a longer lane's batch (adaptive)",
-            ["from_bucket", "into_bucket"],
-            registry=r,
+            "from_bucket",
+            "into_bucket",
         )
-        self.shed = Counter(
+        self.shed = c(
             "lenbatch_shed",
             "Requests answered at once, predicted to miss their deadline (adaptive)",
-            ["where"],
-            registry=r,
+            "where",
         )
-        self.served_late = Gauge(
-            "lenbatch_served_late",
-            "Requests run although predicted past their due time (adaptive)",
-            registry=r,
+        self.served_late = g(
+            "lenbatch_served_late", "Requests run although predicted past their due time (adaptive)"
         )
-        self.refits = Counter(
-            "lenbatch_refits", "Online re-fits of the bucket boundaries", registry=r
+        self.refits = c("lenbatch_refits", "Online re-fits of the bucket boundaries")
+        self.by_priority = c(
+            "lenbatch_priority_requests", "Admitted inputs by priority level", "level"
         )
-        self.by_priority = Counter(
-            "lenbatch_priority_requests", "Admitted inputs by priority level", ["level"],
-            registry=r,
-        )  # fmt: skip
         self._lanes = [_LaneStats() for _ in self.labels]
-        self._all_latencies: deque[float] = deque(maxlen=_WINDOW)
+        self._all_latencies = window()
         self._status_counts: dict[str, int] = {}
         self._rejections: dict[str, int] = {}
         self._failures: dict[str, int] = {}
@@ -279,10 +292,6 @@ class Metrics:
             self.cost_error.set(cm["fit_error"])
         self.served_late.set(state["served_late"])
 
-    def prometheus(self) -> bytes:
-        """The Prometheus text exposition of every series."""
-        return generate_latest(self.registry)
-
     def stats(self) -> dict[str, Any]:
         """A JSON-ready summary: totals, token-weighted waste, latency percentiles per bucket."""
         per_bucket = []
@@ -302,14 +311,10 @@ class Metrics:
                     if s.padded_tokens
                     else 0.0,
                     "mean_exec_ms": 1000 * s.exec_s / s.batches if s.batches else 0.0,
-                    "queue_wait_p50_ms": 1000 * percentile(s.waits, 50) if s.waits else None,
-                    "queue_wait_p95_ms": 1000 * percentile(s.waits, 95) if s.waits else None,
-                    "p50_ms": 1000 * percentile(s.latencies, 50) if s.latencies else None,
-                    "p95_ms": 1000 * percentile(s.latencies, 95) if s.latencies else None,
-                    "p99_ms": 1000 * percentile(s.latencies, 99) if s.latencies else None,
+                    **percentiles_ms(s.waits, (50, 95), "queue_wait_p{}_ms"),
+                    **percentiles_ms(s.latencies, key="p{}_ms"),
                 }
             )
-        lat = self._all_latencies
         waits = [w for s in self._lanes for w in s.waits]  # all lanes: the replay report's split
         batches = sum(s.batches for s in self._lanes)
         requests = sum(s.requests for s in self._lanes)
@@ -324,11 +329,8 @@ class Metrics:
             "real_tokens": real,
             "padded_tokens": padded,
             "padding_waste": 1 - real / padded if padded else 0.0,
-            "p50_ms": 1000 * percentile(lat, 50) if lat else None,
-            "p95_ms": 1000 * percentile(lat, 95) if lat else None,
-            "p99_ms": 1000 * percentile(lat, 99) if lat else None,
-            "queue_wait_p50_ms": 1000 * percentile(waits, 50) if waits else None,
-            "queue_wait_p95_ms": 1000 * percentile(waits, 95) if waits else None,
+            **percentiles_ms(self._all_latencies, key="p{}_ms"),
+            **percentiles_ms(waits, (50, 95), "queue_wait_p{}_ms"),
             "memory": dict(self._memory),
             "per_bucket": per_bucket,
         }

@@ -1,13 +1,13 @@
-"""Forward passes of a causal LM over static shapes, optionally compiled (`torch.compile`).
+"""Forward passes of a causal LM over fixed shapes, optionally compiled (`torch.compile`).
 
-A static-shape call runs the model on `[rows, cols]` input ids against **fixed KV buffers**
-`[rows, kv_heads, width, head_dim]` per layer: each layer writes its new keys and values in
-place at the buffer columns `write_cols` (`index_copy_`, as transformers' `StaticCache` does)
-and attends over the whole buffer through a ready-made boolean 4-D mask `[rows, 1, cols, width]`
-(True = attend). Nothing in the call depends on a Python integer that changes between calls, so
-`torch.compile(dynamic=False)` makes one graph per shape and reuses it: the shape classes are
-chosen by the caller (`lenbatch.generate`: bucket bound x row class for prefill, row class x
-cache-width class for decode).
+A fixed-shape call (`GraphInputs`) runs the model on `[rows, cols]` input ids against **fixed KV
+buffers** `[rows, kv_heads, width, head_dim]` per layer: each layer writes its new keys and
+values in place at the buffer columns `write` (`index_copy_`, as transformers' `StaticCache`
+does) and attends over the whole buffer through a ready-made boolean 4-D mask
+`[rows, 1, cols, width]` (True = attend). Nothing in the call depends on a Python integer that
+changes between calls, so `torch.compile(dynamic=False)` makes one graph per shape and reuses
+it: the shape classes are chosen by the caller (`lenbatch.generate.shapes`: bucket bound x row
+class for prefill, row class x cache-width class for decode).
 
 Why not the runner's eager path with the preallocated window cache: its layers move the window's
 bounds (Python integers) every step, so dynamo guards on them and recompiles every step
@@ -26,11 +26,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["FixedKV", "GraphStats", "StaticGraphs"]
+from lenbatch.runners.causal import last_logits
+
+__all__ = ["FixedKV", "GraphInputs", "GraphStats", "ShapeGraphs"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -82,7 +84,7 @@ class FixedKV:
 
 @dataclass
 class GraphStats:
-    """What the static-shape path did: graphs compiled (shapes seen), their compile seconds,
+    """What the fixed-shape path did: graphs compiled (shapes seen), their compile seconds,
     calls served by an already compiled graph (hits) and calls that ran eager (misses)."""
 
     compiled: bool
@@ -103,10 +105,27 @@ class GraphStats:
         }
 
 
-class StaticGraphs:
-    """Runs `model` over static shapes; with `compile`, through one `torch.compile` graph per
-    shape (`dynamic=False`, `fullgraph=True`), compiled on the first call of each shape (or by
-    `warm`) and timed. Calls from one worker thread at a time."""
+class GraphInputs(NamedTuple):
+    """One forward pass over fixed shapes: the new columns and the buffers they attend over."""
+
+    ids: torch.Tensor  # [rows, cols] input ids
+    mask: torch.Tensor  # [rows, 1, cols, width] bool, True = attend
+    pos: torch.Tensor  # [rows, cols] position ids
+    write: torch.Tensor  # [cols] buffer columns the new keys and values are written to
+    keys: list[torch.Tensor]  # per layer [rows, kv_heads, width, head_dim]
+    values: list[torch.Tensor]  # per layer, as `keys`
+
+    @property
+    def shape_key(self) -> str:
+        """`rows x cols -> width`: what a graph is specialised for."""
+        rows, cols = self.ids.shape
+        return f"{rows}x{cols}->{self.keys[0].shape[2]}"
+
+
+class ShapeGraphs:
+    """Runs `model` over fixed shapes; with `compile`, through one `torch.compile` graph per
+    shape (`dynamic=False`, `fullgraph=True`), compiled on the first call of each shape (or at
+    start-up, `FixedShapes.warm_up`) and timed. Calls from one worker thread at a time."""
 
     def __init__(self, model: Any, *, compile: bool, mode: str | None = None) -> None:
         self.model = model
@@ -116,7 +135,7 @@ class StaticGraphs:
         if compile:
             import torch._dynamo.config as dynamo_config
 
-            # One function, many static shapes: raise dynamo's per-function recompile limit
+            # One function, many fixed shapes: raise dynamo's per-function recompile limit
             # (8 by default) so every shape class gets its graph instead of falling back.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _MAX_GRAPHS)
             dynamo_config.accumulated_recompile_limit = max(
@@ -130,57 +149,33 @@ class StaticGraphs:
         ids: torch.Tensor,
         mask: torch.Tensor,
         pos: torch.Tensor,
-        cols: torch.Tensor,
+        write: torch.Tensor,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        cache = FixedKV(keys, values, cols)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits: torch.Tensor = out.logits[:, -1, :].float()
-        return logits
+        return last_logits(self.model, ids, mask, pos, FixedKV(keys, values, write))
 
-    @staticmethod
-    def shape_key(ids: torch.Tensor, keys: list[torch.Tensor]) -> str:
-        """`rows x cols -> width`: what a graph is specialised for."""
-        rows, cols = ids.shape
-        return f"{rows}x{cols}->{keys[0].shape[2]}"
-
-    def run(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        pos: torch.Tensor,
-        cols: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-    ) -> torch.Tensor:
+    def run(self, step: GraphInputs) -> torch.Tensor:
         """Logits `[rows, vocab]` (float32) of the last column; writes the new keys and values
-        into `keys`/`values` at `cols`. A shape's first compiled call compiles it (timed)."""
+        into the step's buffers. A shape's first compiled call compiles it (timed)."""
         with torch.no_grad():
             if not self.stats.compiled:
-                return self._eager(ids, mask, pos, cols, keys, values)
-            key = self.shape_key(ids, keys)
+                return self._eager(*step)
+            key = step.shape_key
             if key in self.stats.shapes:
                 self.stats.hits += 1
-                return self._fn(ids, mask, pos, cols, keys, values)
+                return self._fn(*step)
             with self._lock:
                 started = time.perf_counter()
-                out = self._fn(ids, mask, pos, cols, keys, values)
+                out = self._fn(*step)
                 spent = time.perf_counter() - started
             self.stats.shapes[key] = spent
             self.stats.graphs += 1
             self.stats.compile_s += spent
-            log.info("compiled the static shape %s in %.1f s", key, spent)
+            log.info("compiled the fixed shape %s in %.1f s", key, spent)
             return out
 
     def count_eager(self) -> None:
-        """A unit that had no static shape ran on the eager path (a miss, when compiling)."""
+        """A unit that had no fixed shape ran on the eager path (a miss, when compiling)."""
         if self.stats.compiled:
             self.stats.misses += 1

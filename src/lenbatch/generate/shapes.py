@@ -1,8 +1,8 @@
-"""Static shapes for prefill and decode, so a compiler can make one graph per shape class.
+"""Fixed shapes for prefill and decode, so a compiler can make one graph per shape class.
 
-With `[generation] compile` on (`serve --compile`), `DecodeCore` runs its units through
-`lenbatch.runners.static_graphs.StaticGraphs` in a few fixed shapes instead of the shapes the
-batch happens to have:
+With `[generation] compile` on (`serve --compile`), the `Decoder` runs its units through
+`lenbatch.runners.graphs.ShapeGraphs` in a few fixed shapes instead of the shapes the batch
+happens to have:
 
 * **prefill**: a job's prompt columns are left-padded to the **bucket bound** that holds its
   longest prompt (the lane's upper length; beyond the largest bound, the next power of two), and
@@ -29,9 +29,16 @@ import torch
 
 from lenbatch.core.collate import Collated, collate
 from lenbatch.generate.kvcache import KVBatch
-from lenbatch.runners.static_graphs import FixedKV, StaticGraphs
+from lenbatch.runners.graphs import FixedKV, GraphInputs, ShapeGraphs
 
-__all__ = ["MIN_WIDTH", "ShapeClasses", "StaticRunner", "make_static", "pow2"]
+__all__ = [
+    "MIN_WIDTH",
+    "FixedShapes",
+    "KVLayout",
+    "ShapeClasses",
+    "make_fixed_shapes",
+    "pow2",
+]
 
 MIN_WIDTH = 64
 
@@ -48,7 +55,7 @@ class ShapeClasses:
 
     bounds: tuple[int, ...]  # bucket upper lengths, ascending (those above max_width unused)
     max_rows: int  # largest row count (the running cap); its power of two is the last class
-    max_width: int  # widest static shape; wider runs eager
+    max_width: int  # widest fixed shape; wider runs eager
 
     def prefill_classes(self) -> list[int]:
         """Prefill column classes: the bucket bounds within `max_width`, then powers of two
@@ -104,42 +111,38 @@ class ShapeClasses:
         return prefill, decode
 
 
-class StaticRunner:
-    """Builds static-shape inputs for prefill and decode and runs them through `graphs`."""
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The KV cache's geometry and element type: what a fixed buffer is allocated with."""
 
-    def __init__(
-        self,
-        graphs: StaticGraphs,
-        classes: ShapeClasses,
-        *,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        pad_id: int,
-    ) -> None:
-        self.graphs = graphs
-        self.classes = classes
-        self.num_layers = num_layers
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = device
-        self.pad_id = pad_id
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
-    def _buffers(self, rows: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def buffers(self, rows: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed key and value buffers `[rows, kv_heads, width, head_dim]`, one per layer."""
         shape = (rows, self.kv_heads, width, self.head_dim)
         keys = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        values = [torch.zeros_like(k) for k in keys]
-        return keys, values
+        return keys, [torch.zeros_like(k) for k in keys]
+
+
+@dataclass
+class FixedShapes:
+    """Builds fixed-shape inputs for prefill and decode and runs them through `graphs`."""
+
+    graphs: ShapeGraphs
+    classes: ShapeClasses
+    layout: KVLayout
+    pad_id: int
 
     # ------------------------------------------------------------------ prefill
 
     def prefill_fits(self, width: int) -> bool:
-        """True when a whole prefill of `width` columns has a static shape."""
+        """True when a whole prefill of `width` columns has a fixed shape."""
         return self.classes.prefill_cols(width) <= self.classes.max_width
 
     def prefill(self, batch: Collated) -> tuple[torch.Tensor, FixedKV]:
@@ -148,7 +151,7 @@ class StaticRunner:
         rows, width = batch.rows, batch.width
         cols = self.classes.prefill_cols(width)
         rc = self.classes.rows(rows)
-        dev = self.device
+        dev = self.layout.device
         ids = torch.full((rc, cols), self.pad_id, dtype=torch.long, device=dev)
         real = torch.zeros((rc, cols), dtype=torch.bool, device=dev)
         pos = torch.zeros((rc, cols), dtype=torch.long, device=dev)
@@ -161,9 +164,9 @@ class StaticRunner:
         # Key j is visible to query i when j <= i and j is a real token; every query sees at
         # least itself (a padding query's output is finite and unused).
         mask = (causal[None] & real[:, None, :]) | eye[None]
-        keys, values = self._buffers(rc, cols)
+        keys, values = self.layout.buffers(rc, cols)
         write = torch.arange(cols, device=dev)
-        logits = self.graphs.run(ids, mask[:, None], pos, write, keys, values)
+        logits = self.graphs.run(GraphInputs(ids, mask[:, None], pos, write, keys, values))
         lo = cols - width
         cache = FixedKV([k[:rows, :, lo:] for k in keys], [v[:rows, :, lo:] for v in values], write)
         return logits[:rows], cache
@@ -171,7 +174,7 @@ class StaticRunner:
     # ------------------------------------------------------------------ decode
 
     def decode_fits(self, kv: KVBatch) -> bool:
-        """True when the next decode step of `kv` has a static shape."""
+        """True when the next decode step of `kv` has a fixed shape."""
         return pow2(kv.width + 1, MIN_WIDTH) <= self.classes.max_width
 
     def _decode_tensors(
@@ -179,7 +182,7 @@ class StaticRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, positions, 4-D mask, write column) of a decode step of `rc` dummy rows that
         write column `end`; the caller fills in its real rows."""
-        dev = self.device
+        dev = self.layout.device
         ids = torch.full((rc, 1), self.pad_id, dtype=torch.long, device=dev)
         pos = torch.zeros((rc, 1), dtype=torch.long, device=dev)
         mask = torch.zeros((rc, 1, 1, cols), dtype=torch.bool, device=dev)
@@ -188,10 +191,10 @@ class StaticRunner:
         return ids, pos, mask, write
 
     def decode(self, kv: KVBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of every row of `kv` in its static shape: returns (logits
+        """One decode step of every row of `kv` in its fixed shape: returns (logits
         `[rows, vocab]`, the step's 2-D mask for `kv.advance`); the cache has its new column."""
         rows = kv.rows
-        rc, cols = kv.fit_static(self.classes, kv.width + 1)
+        rc, cols = kv.fit_shape(self.classes, kv.width + 1)
         start, end = kv.window_bounds()
         ids, pos, mask, write = self._decode_tensors(rc, cols, end)
         step_ids, step_mask, step_pos = kv.step_inputs()
@@ -199,14 +202,14 @@ class StaticRunner:
         pos[:rows] = step_pos
         mask[:rows, 0, 0, start:end] = kv.mask.bool()
         keys, values = kv.buffers()
-        logits = self.graphs.run(ids, mask, pos, write, keys, values)
+        logits = self.graphs.run(GraphInputs(ids, mask, pos, write, keys, values))
         kv.wrote_column()
         return logits[:rows], step_mask
 
     # ------------------------------------------------------------------ start-up
 
     def warm_up(self) -> int:
-        """Run (and, when compiling, compile) every static shape once; returns how many."""
+        """Run (and, when compiling, compile) every fixed shape once; returns how many."""
         prefill, decode = self.classes.shapes()
         for rows, cols in prefill:
             pad = self.pad_id
@@ -214,29 +217,28 @@ class StaticRunner:
             self.prefill(collate(prompts, pad, "left", position_ids=True))
         for rows, cols in decode:
             ids, pos, mask, write = self._decode_tensors(rows, cols, cols - 1)
-            keys, values = self._buffers(rows, cols)
-            self.graphs.run(ids, mask, pos, write, keys, values)
+            keys, values = self.layout.buffers(rows, cols)
+            self.graphs.run(GraphInputs(ids, mask, pos, write, keys, values))
         return len(prefill) + len(decode)
 
 
-def make_static(
+def make_fixed_shapes(
     runner: Any, bounds: tuple[int, ...], max_rows: int, max_width: int, *, compile: bool
-) -> StaticRunner:
-    """The static-shape runner of a transformers causal LM runner (`runners.causal`)."""
+) -> FixedShapes:
+    """The fixed shapes of a transformers causal LM runner (`runners.causal`): prefill classes
+    from the bucket `bounds`, row classes up to `max_rows`, nothing wider than `max_width`."""
     model = getattr(runner, "model", None)
     cfg = getattr(model, "config", None)
     if model is None or cfg is None:
-        raise ValueError("static shapes and --compile need a transformers causal LM")
+        raise ValueError("fixed shapes and --compile need a transformers causal LM")
     heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    classes = ShapeClasses(tuple(sorted(set(bounds))), max_rows, max_width)
-    return StaticRunner(
-        StaticGraphs(model, compile=compile),
-        classes,
+    layout = KVLayout(
         num_layers=int(cfg.num_hidden_layers),
         kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-        head_dim=head_dim,
+        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
         dtype=next(model.parameters()).dtype,
         device=runner.device,
-        pad_id=runner.info.pad_token_id,
     )
+    classes = ShapeClasses(tuple(sorted(set(bounds))), max_rows, max_width)
+    graphs = ShapeGraphs(model, compile=compile)
+    return FixedShapes(graphs, classes, layout, runner.info.pad_token_id)

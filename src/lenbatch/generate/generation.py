@@ -1,6 +1,6 @@
 """One generation request in flight: its tokens, text, options and the times of its stages.
 
-A `Sequence` is created when a tokenized prompt is queued and lives until it has finished. The
+A `Generation` is created when a tokenized prompt is queued and lives until it has finished. The
 engine's worker thread appends tokens and text to it; the event loop delivers each `Delta` to the
 caller. `Timings` holds clock stamps from which the TTFT breakdown is derived so that the stages
 add up to the measured time to first token exactly.
@@ -20,7 +20,7 @@ from lenbatch.generate.sampling import TextTracker, make_generator
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams
 
-__all__ = ["STAGES", "Sequence", "Timings"]
+__all__ = ["STAGES", "Generation", "Timings"]
 
 # TTFT stages, in pipeline order. Their sum is the time to first token.
 STAGES = ("tokenize", "queue", "schedule", "prefill", "first_token")
@@ -95,7 +95,7 @@ def _ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(1000 * seconds, 3)
 
 
-class Sequence:
+class Generation:
     """A request being generated. Mutated only by the engine (worker thread between steps,
     event loop for delivery), never concurrently."""
 
@@ -114,7 +114,7 @@ class Sequence:
 
     def __init__(
         self,
-        request: Request[Sequence],
+        request: Request[Generation],
         params: SamplingParams,
         tracker: TextTracker,
         timings: Timings,

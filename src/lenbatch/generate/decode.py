@@ -1,0 +1,289 @@
+"""The compute side of generation: prefill jobs, the running decode batch, one unit at a time.
+
+`Decoder` holds what runs on the model: prefill jobs (scheduler batches being prefilled,
+possibly in chunks, each with its own KV cache) and the running decode batch (a right-aligned
+`KVBatch`). The engine asks a policy (lockstep or continuous) which unit to run next, then runs
+it in its worker thread through `prefill()` or `decode()`; each returns the tokens produced,
+which the event loop delivers. The decoder never touches the queues or the ledger. What happens
+when a unit raises is `lenbatch.generate.failures`.
+
+A prefill unit runs columns `[done, done + cols)` of a left-padded job through the model with
+that job's cache; after its last chunk every row samples its first token and the job's rows join
+the running batch (`KVBatch.join`). A decode unit feeds each running row its last token and
+samples the next; finished and cancelled rows are then removed from the batch and its cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lenbatch.core.collate import Collated, collate
+from lenbatch.generate.generation import Generation
+from lenbatch.generate.kvcache import KVBatch, cache_bytes
+from lenbatch.generate.sampling import choose_tokens, mask_eos
+from lenbatch.generate.shapes import FixedShapes
+from lenbatch.runners.base import CausalRunner
+from lenbatch.serving.messages import Delta
+
+__all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next"]
+
+
+@dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
+class PrefillJob:
+    """A scheduler batch being prefilled: its generations, padded inputs and partial cache."""
+
+    lane: int
+    gens: list[Generation]
+    batch: Collated
+    cache: Any
+    done_cols: int = 0
+    # False for the first half of a bisected batch: the scheduler counted the batch once, so
+    # only its last part frees the slot.
+    releases: bool = True
+    # Most columns per prefill chunk after this job ran out of memory (None: the policy's).
+    max_cols: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Generations in the job."""
+        return self.batch.rows
+
+    @property
+    def remaining(self) -> int:
+        """Prompt columns not yet run."""
+        return self.batch.width - self.done_cols
+
+
+@dataclass
+class UnitResult:
+    """What one unit produced, for delivery and metrics."""
+
+    kind: str  # "prefill" or "decode"
+    deltas: list[tuple[Generation, Delta]] = field(default_factory=list)
+    released_lanes: list[int] = field(default_factory=list)  # scheduler batches now done
+    compute_s: float = 0.0
+    rows: int = 0
+    tokens: int = 0  # prefill: real prompt tokens of the chunk; decode: real cached tokens
+    padded: int = 0  # prefill: chunk tokens incl. padding; decode: cache columns x rows
+    job: PrefillJob | None = None  # the prefill job this unit ran
+    finished_job: bool = False
+
+
+class Decoder:
+    """Prefill jobs and the running decode batch of one model."""
+
+    def __init__(
+        self,
+        runner: CausalRunner,
+        clock: Callable[[], float],
+        release_on_merge: bool,
+        shapes: FixedShapes | None = None,
+    ) -> None:
+        self.runner = runner
+        # Fixed shapes (and compiled graphs) for whole prefills and decode steps that fit them.
+        self.shapes = shapes
+        self.now = clock
+        # Continuous batching frees a scheduler slot once a batch's rows joined the decode batch;
+        # lockstep batching holds it until every row of the batch has finished.
+        self.release_on_merge = release_on_merge
+        self.jobs: deque[PrefillJob] = deque()
+        self.running: KVBatch | None = None
+        self.rows: list[Generation] = []
+        self.held_lanes: list[int] = []
+        self.kv_peak_bytes = 0
+        self.preempted = 0  # rows moved back to prefill after a decode step ran out of memory
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def running_rows(self) -> int:
+        """Generations in the decode batch."""
+        return len(self.rows)
+
+    @property
+    def pending_rows(self) -> int:
+        """Generations admitted but not yet prefilled."""
+        return sum(j.rows for j in self.jobs)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to compute."""
+        return not self.jobs and not self.rows
+
+    def kv_bytes(self) -> int:
+        """Bytes of every KV cache held now (running batch and partial prefills)."""
+        total = self.running.nbytes() if self.running is not None else 0
+        for job in self.jobs:
+            total += cache_bytes(job.cache)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, total)
+        return total
+
+    def kv_real_bytes(self) -> int:
+        """Bytes of the running batch's cache that hold real (non-padding) tokens."""
+        if self.running is None or self.running.width == 0:
+            return 0
+        return (
+            self.running.nbytes()
+            * self.running.real_tokens
+            // (self.running.rows * self.running.width)
+        )
+
+    def add_job(self, lane: int, gens: list[Generation], pad_to: int | None) -> PrefillJob:
+        """Collate a scheduler batch (left padding, position ids) and queue it for prefill."""
+        job = self.new_job(lane, gens, pad_to=pad_to)
+        self.jobs.append(job)
+        return job
+
+    def new_job(
+        self,
+        lane: int,
+        gens: list[Generation],
+        *,
+        pad_to: int | None = None,
+        releases: bool = True,
+        max_cols: int | None = None,
+    ) -> PrefillJob:
+        """A prefill job of `gens` with a fresh cache, not queued.
+
+        A generation preempted from the decode batch is prefilled again over its prompt and
+        what it has generated so far, then continues where it was (vLLM's recompute).
+        """
+        batch = collate(
+            [(g.request.token_ids or []) + g.generated for g in gens],
+            self.runner.info.pad_token_id,
+            "left",
+            pad_to=pad_to,
+            position_ids=True,
+        )
+        cache = self.runner.new_cache()
+        return PrefillJob(lane, gens, batch, cache, releases=releases, max_cols=max_cols)
+
+    # ------------------------------------------------------------------ units
+
+    def prefill(self, job: PrefillJob, cols: int) -> UnitResult:
+        """Run the next `cols` prompt columns of `job`; after its last, sample first tokens."""
+        if job is not self.jobs[0]:
+            raise RuntimeError("bug: prefill must run the oldest job first")
+        b = job.batch
+        lo, hi = job.done_cols, min(b.width, job.done_cols + max(1, cols))
+        dev = self.runner.device
+        ids = torch.from_numpy(b.input_ids[:, lo:hi]).to(dev)
+        mask = torch.from_numpy(b.attention_mask[:, :hi]).to(dev)
+        assert b.position_ids is not None
+        pos = torch.from_numpy(b.position_ids[:, lo:hi]).to(dev)
+        shapes = self.shapes
+        start = self.now()
+        if shapes is not None and lo == 0 and hi == b.width and shapes.prefill_fits(hi):
+            logits, job.cache = shapes.prefill(b)
+        else:
+            if shapes is not None:
+                shapes.graphs.count_eager()
+            logits = self.runner.forward(ids, mask, pos, job.cache)
+        end = self.now()
+        for g in job.gens:
+            t = g.timings
+            if lo == 0:
+                t.prefill_start = start
+            t.prefill_compute += end - start
+        job.done_cols = hi
+        real = int(b.attention_mask[:, lo:hi].sum())
+        result = UnitResult("prefill", compute_s=end - start, rows=job.rows, tokens=real, job=job)
+        result.padded = job.rows * (hi - lo)
+        self.kv_bytes()
+        if hi < b.width:
+            return result
+        # Sample before the job leaves the queue, so a failure here is still the job's own.
+        tokens = choose_next(logits, job.gens, self.runner.eos_token_ids)
+        self.jobs.popleft()
+        result.finished_job = True
+        for g in job.gens:
+            g.timings.prefill_end = end
+        self._deliver(result, job.gens, tokens)
+        next_pos = torch.tensor(b.lengths, dtype=torch.long, device=dev)
+        last = torch.tensor(tokens, dtype=torch.long, device=dev)
+        # The prefill's keys and values are copied once, into the running batch's buffers
+        # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
+        if self.running is None or self.running.rows == 0:
+            self.running = KVBatch(job.cache, mask, next_pos, last)
+        else:
+            self.running.join(job.cache, mask, next_pos, last)
+        self.rows.extend(job.gens)
+        result.released_lanes.extend(self.release(job))
+        result.released_lanes.extend(self._drop_done())
+        return result
+
+    def decode(self) -> UnitResult:
+        """One decode step for every running row."""
+        result = UnitResult("decode")
+        result.released_lanes.extend(self._drop_done())
+        kv = self.running
+        if kv is None or not self.rows:
+            return result
+        shapes = self.shapes
+        start = self.now()
+        if shapes is not None and shapes.decode_fits(kv):
+            logits, mask = shapes.decode(kv)
+        else:
+            if shapes is not None:
+                shapes.graphs.count_eager()
+            ids, mask, pos = kv.step_inputs()
+            logits = self.runner.forward(ids, mask, pos, kv.cache)
+        end = self.now()
+        tokens = choose_next(logits, self.rows, self.runner.eos_token_ids)
+        kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
+        self._deliver(result, self.rows, tokens)
+        result.compute_s = end - start
+        result.rows = kv.rows
+        # What attention read this step: real cached tokens vs all columns (padding included).
+        result.tokens = kv.real_tokens
+        result.padded = kv.rows * kv.width
+        self.kv_bytes()
+        result.released_lanes.extend(self._drop_done())
+        return result
+
+    def _deliver(self, result: UnitResult, gens: list[Generation], tokens: list[int]) -> None:
+        eos = self.runner.eos_token_ids
+        for g, tok in zip(gens, tokens, strict=True):
+            result.deltas.append((g, g.add_token(tok, eos)))
+
+    # ------------------------------------------------------------------ scheduler slots
+
+    def release(self, job: PrefillJob) -> list[int]:
+        """Free (continuous) or hold until the batch drains (lockstep) the job's scheduler
+        slot; returns the lanes freed now."""
+        if not job.releases:
+            return []
+        if self.release_on_merge:
+            return [job.lane]
+        self.held_lanes.append(job.lane)
+        return self.release_held()
+
+    def release_held(self) -> list[int]:
+        """Scheduler lanes held by a lockstep batch that has nothing left running."""
+        if self.rows:
+            return []
+        lanes, self.held_lanes = self.held_lanes, []
+        return lanes
+
+    def _drop_done(self) -> list[int]:
+        """Remove finished and cancelled rows from the batch and its cache."""
+        keep = [i for i, g in enumerate(self.rows) if not g.done]
+        if len(keep) != len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            if not keep:
+                self.running = None
+            elif self.running is not None:
+                self.running.select(keep)
+        return self.release_held()
+
+
+def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:
+    """Next token of each row; rows below their `min_tokens` cannot end yet."""
+    young = [i for i, g in enumerate(gens) if len(g.generated) < g.params.min_tokens]
+    mask_eos(logits, young, eos)
+    return choose_tokens(logits, [g.params for g in gens], [g.generator for g in gens])
