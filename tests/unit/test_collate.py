@@ -85,3 +85,36 @@ def test_pack_uniform_and_empty() -> None:
         pack([])
     with pytest.raises(ValueError, match="empty sequence"):
         pack([[1], []])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_segment_ids_are_padded_like_the_tokens(side: str) -> None:
+    """A pair's segment ids sit under its tokens; padding and rows without them are 0."""
+    c = collate([[5, 6, 7, 8], [9, 4]], pad_id=0, side=side, segments=[[0, 0, 1, 1], None])
+    assert c.token_type_ids is not None
+    want = [[0, 0, 1, 1], [0, 0, 0, 0]]
+    np.testing.assert_array_equal(c.token_type_ids, want)
+    assert collate([[5, 6]], pad_id=0).token_type_ids is None
+
+
+def test_segment_ids_survive_packing() -> None:
+    """Packed end to end, and packed from a padded batch, the segment ids follow the tokens."""
+    p = pack([[5, 6, 7], [8, 9]], segments=[[0, 1, 1], [0, 1]])
+    assert p.token_type_ids is not None
+    np.testing.assert_array_equal(p.token_type_ids, [0, 1, 1, 0, 1])
+    c = collate([[5, 6, 7], [8, 9]], pad_id=0, side="left", segments=[[0, 1, 1], [0, 1]])
+    again = pack_collated(c)
+    assert again.token_type_ids is not None
+    np.testing.assert_array_equal(again.token_type_ids, [0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(
+        pack([[1, 2], [3]], segments=[None, [1]]).token_type_ids, [0, 0, 1]
+    )
+    assert pack([[1, 2]]).token_type_ids is None
+
+
+def test_segment_ids_must_match_the_tokens() -> None:
+    """One segment id per token and one row per sequence, or a ValueError naming the counts."""
+    with pytest.raises(ValueError, match="2 segment ids for 3 tokens"):
+        collate([[1, 2, 3]], pad_id=0, segments=[[0, 1]])
+    with pytest.raises(ValueError, match="1 rows of segment ids for 2 sequences"):
+        pack([[1], [2]], segments=[[0]])

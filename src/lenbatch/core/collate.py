@@ -4,7 +4,9 @@ Pads to the batch's own longest member (or to a fixed length for the `static` ba
 model's padding side, builds the attention mask, and, for models with absolute positions that
 are left-padded, position ids that start at 0 on each row's first real token. Or pack (no
 padding): every row's tokens end to end, with the layout that puts them back into rows for
-attention (`Packed`), for runners that run token-wise layers on real tokens only. Pure numpy.
+attention (`Packed`), for runners that run token-wise layers on real tokens only. Segment ids
+(`token_type_ids`: 0 for a pair's first text, 1 for its second) travel with the tokens when a
+batch holds pairs; without them every token is segment 0, as models assume. Pure numpy.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Collated(_TokenAccounting):
     attention_mask: npt.NDArray[np.int64]
     position_ids: npt.NDArray[np.int64] | None
     lengths: tuple[int, ...]
+    # [batch, padded_len] segment ids (padding: 0); None: segment 0 everywhere
+    token_type_ids: npt.NDArray[np.int64] | None = None
 
     @property
     def width(self) -> int:
@@ -75,12 +79,15 @@ def collate(
     side: PadSide = "right",
     pad_to: int | None = None,
     position_ids: bool = False,
+    segments: Sequence[Sequence[int] | None] | None = None,
 ) -> Collated:
     """Pad `sequences` to one length.
 
     `pad_to` fixes the padded length (it must be at least the longest sequence); by default it
     is the longest sequence. `position_ids=True` also returns positions `0..len-1` over each
     row's real tokens (padding gets 0), which absolute-position models need with left padding.
+    `segments` gives each row's segment ids (None for a row, or for all: segment 0), padded
+    like the tokens.
     """
     if not sequences:
         raise ValueError("cannot collate an empty batch")
@@ -103,7 +110,17 @@ def collate(
     positions = None
     if position_ids:
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
-    return Collated(ids, mask, positions, lengths)
+    types = None
+    if _has_segments(segments, lengths):
+        assert segments is not None
+        types = np.zeros((len(sequences), width), dtype=np.int64)
+        for row, (seg, n) in enumerate(zip(segments, lengths, strict=True)):
+            if seg is not None:
+                if side == "right":
+                    types[row, :n] = seg
+                else:
+                    types[row, width - n :] = seg
+    return Collated(ids, mask, positions, lengths, types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +139,7 @@ class Packed(_TokenAccounting):
     slots: npt.NDArray[np.int64]  # [tokens], row * width + position: its place in [rows, width]
     offsets: npt.NDArray[np.int64]  # [rows + 1], cumulative lengths from 0
     lengths: tuple[int, ...]
+    token_type_ids: npt.NDArray[np.int64] | None = None  # [tokens]; None: segment 0 everywhere
 
     @property
     def width(self) -> int:
@@ -145,8 +163,11 @@ class Packed(_TokenAccounting):
         return self.rows * self.width
 
 
-def pack(sequences: Sequence[Sequence[int]]) -> Packed:
-    """Pack `sequences` end to end (no padding), with the layout attention needs."""
+def pack(
+    sequences: Sequence[Sequence[int]], segments: Sequence[Sequence[int] | None] | None = None
+) -> Packed:
+    """Pack `sequences` end to end (no padding), with the layout attention needs; `segments`
+    as for `collate`."""
     if not sequences:
         raise ValueError("cannot pack an empty batch")
     lengths = tuple(len(s) for s in sequences)
@@ -159,10 +180,40 @@ def pack(sequences: Sequence[Sequence[int]]) -> Packed:
     row_ids = np.repeat(np.arange(len(lengths), dtype=np.int64), lens)
     positions = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lens)
     slots = row_ids * int(lens.max()) + positions
-    return Packed(ids, positions, row_ids, slots, offsets, lengths)
+    types = None
+    if _has_segments(segments, lengths):
+        assert segments is not None
+        types = np.fromiter(
+            (
+                t
+                for seg, n in zip(segments, lengths, strict=True)
+                for t in (seg if seg is not None else (0,) * n)
+            ),
+            dtype=np.int64,
+            count=int(offsets[-1]),
+        )
+    return Packed(ids, positions, row_ids, slots, offsets, lengths, types)
 
 
 def pack_collated(batch: Collated) -> Packed:
     """The packed layout of a padded batch (its real tokens, on either padding side)."""
     mask = batch.attention_mask.astype(bool)
-    return pack([row[m].tolist() for row, m in zip(batch.input_ids, mask, strict=True)])
+    rows = [row[m].tolist() for row, m in zip(batch.input_ids, mask, strict=True)]
+    if batch.token_type_ids is None:
+        return pack(rows)
+    types = [row[m].tolist() for row, m in zip(batch.token_type_ids, mask, strict=True)]
+    return pack(rows, types)
+
+
+def _has_segments(
+    segments: Sequence[Sequence[int] | None] | None, lengths: tuple[int, ...]
+) -> bool:
+    """True if any row has segment ids; each given row must have one per token."""
+    if segments is None:
+        return False
+    if len(segments) != len(lengths):
+        raise ValueError(f"{len(segments)} rows of segment ids for {len(lengths)} sequences")
+    for seg, n in zip(segments, lengths, strict=True):
+        if seg is not None and len(seg) != n:
+            raise ValueError(f"a row has {len(seg)} segment ids for {n} tokens")
+    return any(seg is not None for seg in segments)

@@ -63,3 +63,5 @@ class Request(Generic[HandleT]):
     due: float | None = None
     # Set by the queues on push: the order requests were queued in (ties of arrival kept).
     seq: int = 0
+    # Segment ids of `token_ids` (a pair's first text 0, its second 1); None: all segment 0.
+    token_type_ids: list[int] | None = None

@@ -135,6 +135,8 @@ class EncoderRunner:
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
         if batch.position_ids is not None:
             kwargs["position_ids"] = torch.from_numpy(batch.position_ids).to(self.device)
+        if batch.token_type_ids is not None:
+            kwargs["token_type_ids"] = torch.from_numpy(batch.token_type_ids).to(self.device)
         try:
             hidden = self.model(**kwargs).last_hidden_state
         except torch.cuda.OutOfMemoryError:

@@ -107,7 +107,9 @@ class PackedEncoderRunner(EncoderRunner):
         emb = self.model.embeddings
         self._word = emb.word_embeddings
         self._pos = emb.position_embeddings
-        # Token type 0 for every token, as the padded path does without token_type_ids.
+        # Segment embeddings: a pair's segment ids pick theirs; without them every token is
+        # segment 0, as the padded path does without token_type_ids.
+        self._types = emb.token_type_embeddings
         self._type0 = emb.token_type_embeddings.weight[0].detach()
         self._emb_norm = emb.LayerNorm
         self._layers = [_Layer(layer, mm_dtype) for layer in self.model.encoder.layer]
@@ -145,7 +147,11 @@ class PackedEncoderRunner(EncoderRunner):
         dev = self.device
         ids = torch.from_numpy(batch.input_ids).to(dev)
         pos = torch.from_numpy(batch.position_ids).to(dev)
-        x = self._word(ids) + self._pos(pos) + self._type0
+        if batch.token_type_ids is None:
+            types = self._type0
+        else:
+            types = self._types(torch.from_numpy(batch.token_type_ids).to(dev))
+        x = self._word(ids) + self._pos(pos) + types
         x = self._emb_norm(x)
         attend = _Attention(batch, dev, self._mm_dtype)
         for layer in self._layers:

@@ -13,19 +13,33 @@ Two ways to cut a text over the limit, when the caller asks for truncation:
   result is always what truncating the whole text gives.
 - `tail` (causal LMs): keep the last `max_length - 1` tokens, so the end of a prompt, which the
   continuation follows, survives and one token is left to generate.
+
+A (query, document) pair is tokenized as a pair (`tokenize_pairs`): the model's special tokens
+around and between its texts, and segment ids (`token_type_ids`) where the model uses them.
+Truncation cuts the document, never the query.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["TextTokenizer"]
+__all__ = ["Pairs", "TextTokenizer"]
 
 # Characters per token that a truncating cut leaves room for (English averages about 4): a cut
 # text that still yields fewer tokens than the limit is tokenized whole (exact either way).
 _CHARS_PER_TOKEN_BOUND = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Pairs:
+    """Tokenized (query, document) pairs: token ids, and segment ids per token where the model
+    takes them (None when it has no segment embedding: every token is then segment 0)."""
+
+    ids: list[list[int]]
+    token_type_ids: list[list[int]] | None
 
 
 class TextTokenizer:
@@ -104,6 +118,29 @@ class TextTokenizer:
                 ids[i] = redone
         return ids
 
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], truncate: bool = False) -> Pairs:
+        """Token ids and segment ids of (query, document) pairs, one batch-encode call. Over
+        the limit only when `truncate` is false; truncating cuts the document (first the cheap
+        cut at a space, as for single texts, then exactly), never the query."""
+        queries = [q for q, _ in pairs]
+        docs = [d for _, d in pairs]
+        if not truncate:
+            return self._encode_pairs(queries, docs, False)
+        cuts = [self._cut(d) for d in docs]
+        out = self._encode_pairs(queries, cuts, True)
+        short = [
+            i
+            for i, (d, c) in enumerate(zip(docs, cuts, strict=True))
+            if c is not d and len(out.ids[i]) < self.max_length
+        ]
+        if short:
+            redone = self._encode_pairs([queries[i] for i in short], [docs[i] for i in short], True)
+            for k, i in enumerate(short):
+                out.ids[i] = redone.ids[k]
+                if out.token_type_ids is not None and redone.token_type_ids is not None:
+                    out.token_type_ids[i] = redone.token_type_ids[k]
+        return out
+
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat rendered with the tokenizer's chat template, ready for the
         assistant's turn. Raises ValueError when the tokenizer has no chat template."""
@@ -131,6 +168,21 @@ class TextTokenizer:
             return_token_type_ids=False,
         )
         return [list(ids) for ids in enc["input_ids"]]
+
+    def _encode_pairs(self, queries: list[str], docs: list[str], truncate: bool) -> Pairs:
+        takes_types = "token_type_ids" in getattr(self.tokenizer, "model_input_names", ())
+        enc = self.tokenizer(
+            queries,
+            docs,
+            add_special_tokens=True,
+            truncation="only_second" if truncate else False,
+            max_length=self.max_length if truncate else None,
+            return_attention_mask=False,
+            return_token_type_ids=takes_types,
+        )
+        ids = [list(x) for x in enc["input_ids"]]
+        types = [list(x) for x in enc["token_type_ids"]] if takes_types else None
+        return Pairs(ids, types)
 
     def _cut(self, text: str) -> str:
         """`text`, or a prefix of it ending before a space that holds at least as many
