@@ -16,9 +16,9 @@ from lenbatch.cli.traffic import Traffic
 from lenbatch.config import Strategy
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.trace import Trace
-from lenbatch.replay.bench import targets_for
 from lenbatch.replay.driver import ReplayPlan
 from lenbatch.replay.endpoints import EmbeddingsEndpoint
+from lenbatch.replay.targets import targets_for
 
 
 def test_targets_start_serve_with_each_strategy_and_the_peers() -> None:

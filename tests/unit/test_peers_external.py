@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.replay.bench import BenchConfig, Target, prepare_target, run_bench, targets_for
+from lenbatch.replay.bench import BenchConfig, run_bench
 from lenbatch.replay.driver import ReplayPlan
 from lenbatch.replay.endpoints import EmbeddingsEndpoint
 from lenbatch.replay.peers.external import PeerContext, PeerLaunch, PeerVenv, VenvSpec
@@ -20,6 +20,7 @@ from lenbatch.replay.peers.infinity import INFINITY
 from lenbatch.replay.peers.llamacpp import LLAMACPP, cpu_has_amx
 from lenbatch.replay.peers.registry import EXTERNAL_PEERS, external_peer
 from lenbatch.replay.peers.vllm import VLLM, VLLM_ALL_CORES, VLLM_BF16
+from lenbatch.replay.targets import Target, prepare_target, targets_for
 
 FAKE_SERVER = Path(__file__).with_name("fake_peer_server.py")
 

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from lenbatch.replay.driver import ReplayResult
-from lenbatch.replay.report import RunRecord, ratio, write_report
+from lenbatch.replay.records import RunRecord, ratio
+from lenbatch.replay.report import write_report
 
 
 def _summary(
@@ -129,7 +130,7 @@ def test_headline_picks_the_highest_rate_within_the_bound_and_the_saturation_poi
     """Per server over a sweep: highest rate with P95 <= 1 s and few failures, light-load P95
     (the lowest rate), the most real tokens/s at any rate, the largest RSS, and the ratio to
     the oracle where one is given."""
-    from lenbatch.replay.report import headline_rows
+    from lenbatch.replay.tables import headline_rows
 
     def run(name: str, rate: float, p95: float, tok: float, err: float, rss: float) -> RunRecord:
         s = _summary(p95 / 2, p95, tok, None, error_rate=err, peak_memory_mb=rss,

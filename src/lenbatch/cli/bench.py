@@ -91,7 +91,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the traffic once, run every target, write the report."""
-    from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench, targets_for
+    from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench
+    from lenbatch.replay.targets import targets_for
 
     serve_args = shlex.split(args.serve_args)
     if args.cost:
