@@ -23,7 +23,7 @@ from lenbatch.replay.peers.infinity import INFINITY
 from lenbatch.replay.process import ServerProcess, free_port
 from lenbatch.replay.targets import prepare_target, targets_for
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 _ABSENT = PeerVenv(INFINITY.venv).stamp() is None
 _REASON = (

@@ -18,6 +18,8 @@ from lenbatch.generate.sequence import Timings
 from lenbatch.generate.static import ShapeClasses, make_static
 from tests.llm_reference import MAX_NEW
 
+pytestmark = pytest.mark.slow
+
 
 async def _collect(engine: GenerationEngine, seq: Sequence) -> list[int]:
     tokens: list[int] = []

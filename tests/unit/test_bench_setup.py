@@ -93,6 +93,7 @@ def _traffic(argv: list[str]) -> Traffic:
     return traffic_from_args(build_parser().parse_args(argv))
 
 
+@pytest.mark.slow
 def test_scenario_traffic_is_built_with_real_lengths() -> None:
     """`--scenario` builds seeded arrivals and text bodies sized by the model's tokenizer."""
     argv = ["replay", "--scenario", "long-heavy", "--rate", "5", "--duration", "4"]
@@ -105,6 +106,7 @@ def test_scenario_traffic_is_built_with_real_lengths() -> None:
     assert isinstance(body["input"], str) and "model" not in body
 
 
+@pytest.mark.slow
 def test_completions_traffic_carries_output_lengths() -> None:
     """With `--endpoint completions`, max_tokens is the trace's output length."""
     argv = ["replay", "azure-conv", "--endpoint", "completions", "--limit", "3"]
@@ -128,6 +130,7 @@ def test_traffic_needs_exactly_one_source() -> None:
         _traffic(["replay", "azure-conv", "--scenario", "mixed", "--url", "http://127.0.0.1:1"])
 
 
+@pytest.mark.slow
 def test_span_fixes_the_trace_window_whatever_the_rate_scale() -> None:
     """`--span S` replays the requests of [start, start+S) of trace time at any rate scale,
     in S / rate-scale seconds; it refuses --duration and --end."""

@@ -149,6 +149,7 @@ class FakePeer:
         return PeerLaunch(argv, {"FAKE_PEER_TOKEN": "ok"}, "/ready", ("fake flag note",))
 
 
+@pytest.mark.slow
 def test_bench_launches_a_fake_peer_and_reports_its_setup(tmp_path: Path) -> None:
     """The peer's venv record, command, environment and notes reach the report; its own
     health path is used; its environment is passed (the fake answers 500 otherwise); two
