@@ -288,13 +288,8 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
 
 
 def _runner_options(m: Any) -> dict[str, Any]:
-    """What every runner takes from the model settings: device, limit, threads, dtype."""
-    return {
-        "device": m.device,
-        "max_length": m.max_length,
-        "torch_threads": m.torch_threads,
-        "dtype": m.dtype,
-    }
+    """What every runner takes from the model settings, under the settings' own names."""
+    return {name: getattr(m, name) for name in ("device", "max_length", "torch_threads", "dtype")}
 
 
 def _serve_cost(spec: str | None, device: str, runner: Any) -> Any:
