@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Every benchmark of lenbatch that is re-run, behind one command.
 
     bench/run.py list                                    # the recipes, one line each
