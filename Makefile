@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv serve test lint typecheck unit format docs clean
+.PHONY: venv serve test quick lint typecheck pytest format docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,8 +32,12 @@ serve: $(STAMP)
 	$(BIN)/lenbatch serve --config configs/minilm-azure-conv.toml --strategy adaptive --slo-ms 1000 \
 		--cost bench/results/cost_minilm_epyc_zen5_bf16_packed_1t.json $(ARGS)
 
-## lint, type-check and run every test
-test: lint typecheck unit
+## lint, type-check and run every test (what CI runs)
+test: lint typecheck pytest
+
+## the tests not marked slow: no model, server or Ray (about a minute on 2 cores)
+quick: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench docs
@@ -42,7 +46,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+## every test: unit, property and integration
+pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 format: $(STAMP)

@@ -4,7 +4,7 @@ config a grid search finds for each scenario, and a naive one-request-per-call s
 Simulated time does not depend on the CPU the script runs on: the cost model does (it was
 profiled on the machine named in its file). Writes a Markdown report.
 
-    .venv/bin/python bench/adaptive_sim.py --cost bench/results/cost_minilm_cpu.json \
+    bench/run.py adaptive-sim -- --cost bench/results/cost_minilm_cpu.json \
         --rate 30 --duration 120 --slo-ms 1000 --out bench/results/adaptive_sim.md
 """
 

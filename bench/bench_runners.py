@@ -1,7 +1,7 @@
 """MiniLM forward on this CPU: each dtype/backend over a batch x length grid, side by side.
 
-    .venv/bin/python bench/bench_runners.py --options fp32,bf16-cast,bf16-autocast,compile-fp32
-    .venv/bin/python bench/bench_runners.py --grid 1x16,32x32 --repeats 3      # a smoke test
+    bench/run.py runners -- --options fp32,bf16-cast,bf16-autocast,compile-fp32
+    bench/run.py runners -- --grid 1x16,32x32 --repeats 3      # a smoke test
 
 Every option embeds the same random-token batches (right-padded, every row at full length, so
 padded = real tokens) through the same pooling; the table gives the median milliseconds and

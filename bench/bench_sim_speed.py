@@ -8,7 +8,7 @@ table with wall-clock and process-CPU rates. When other processes share the core
 low; the last column is then the better estimate of an idle machine: the best of `--slices`
 short runs (the first 3000 requests), each short enough to often get a core to itself.
 
-    .venv/bin/python bench/bench_sim_speed.py --cost bench/results/cost_minilm_cpu.json
+    bench/run.py sim-speed -- --cost bench/results/cost_minilm_cpu.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Does `torch.compile` of the static shapes pay on this CPU? Compile time against step time.
 
-    .venv/bin/python bench/compile_probe.py --model smollm2 --dtype float32 --rows 16 \\
+    bench/run.py compile-probe -- --model smollm2 --dtype float32 --rows 16 \\
         --window 200 --width 256 [--prefill 4x128] [--freezing] [--threads N] [--json out.json]
 
 The decode step is measured three ways on the same batch (`--rows` rows, a `--window`-column

@@ -1,7 +1,7 @@
 """Longer schemathesis campaign against a live `lenbatch serve` (fake model) on loopback.
 
-    .venv/bin/python bench/fuzz_openapi.py --examples 1000 [--out bench/results/fuzz_openapi.md]
-    .venv/bin/python bench/fuzz_openapi.py --llm --examples 1000 \
+    bench/run.py fuzz -- --examples 1000 [--out bench/results/fuzz_openapi.md]
+    bench/run.py fuzz -- --llm --examples 1000 \
         --out bench/results/fuzz_openapi_llm.md
 
 `--llm` fuzzes the generation routes (`/v1/completions`, `/v1/chat/completions`) of a server

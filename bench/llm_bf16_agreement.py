@@ -1,6 +1,6 @@
 """Token agreement of lenbatch's batched greedy decoding with fp32 `transformers.generate()`.
 
-    .venv/bin/python bench/llm_bf16_agreement.py --model smollm2 --prompts 24 --max-new 32 \\
+    bench/run.py bf16-agreement -- --model smollm2 --prompts 24 --max-new 32 \\
         --dtype bfloat16 [--out bench/results/llm_bf16_agreement.md]
 
 The reference is `model.generate()` in float32 on each prompt alone (greedy). lenbatch runs

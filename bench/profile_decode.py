@@ -1,6 +1,6 @@
 """Where a decode step's time goes: model forward, KV-cache upkeep, sampling, Python per sequence.
 
-    .venv/bin/python bench/profile_decode.py --model smollm2 --rows 16 --prompt-len 160 \\
+    bench/run.py profile-decode -- --model smollm2 --rows 16 --prompt-len 160 \\
         --steps 48 [--dtype bfloat16] [--json out.json]
 
 Drives `lenbatch.generate.decode.Decoder` directly (no HTTP, no event loop): one prefill job
@@ -8,8 +8,8 @@ of `--rows` prompts of about `--prompt-len` tokens, then decode steps until ever
 finished; rows stop at different lengths (max_tokens from `--steps` down to half of it, as in a
 real batch) and a second job of `--rows // 2` prompts joins after a quarter of the steps, so
 row removal and joining are paid as in serving. Each decode step is split by timing wrappers
-that exist in both the old and the new core (so `PYTHONPATH=<old tree>/src` profiles the old
-decode with the same script):
+that exist in both the old and the new core (so `bench/run.py --src <old tree>/src
+profile-decode` profiles the old decode with the same script):
 
 * `model`: the runner's forward call (inside it, transformers' cache update);
 * `sampling`: choosing each row's next token (`decode.choose_next`);

@@ -1,6 +1,6 @@
 """Profile all-MiniLM-L6-v2 on this machine and write a Markdown result plus the cost model.
 
-    .venv/bin/python bench/profile_minilm.py --conditions "quiet machine"
+    bench/run.py profile-minilm -- --conditions "quiet machine"
 
 Runs `lenbatch.plan.profile` over batch sizes x padded lengths (warm-up, median of repeats, sampled
 RSS per point), fits the cost model, and writes `bench/results/profile_minilm_<device>.md`

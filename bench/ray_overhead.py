@@ -6,7 +6,7 @@ no queueing, only each hop's cost plus the same batch wait in both). Reports the
 percentiles, their difference, and the resident memory of each server's whole process tree
 (Ray: driver, GCS, raylet, controller, proxy, ingress and replicas) when idle after warm-up.
 
-    .venv/bin/python bench/ray_overhead.py [--n 300] [--config configs/minilm-azure-conv.toml]
+    bench/run.py ray-overhead -- [--n 300] [--config configs/minilm-azure-conv.toml]
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from lenbatch.replay.bench import ServerProcess, Target, _tree_rss, free_port, machine_description
+from lenbatch.replay.bench import machine_description
+from lenbatch.replay.process import ServerProcess, free_port, tree_rss
+from lenbatch.replay.targets import LENBATCH_CLI, Target
 
 TEXT = "How many apples are left if Tom eats two of the five he bought?"
 
@@ -37,7 +39,7 @@ def measure(target: Target, n: int, log_dir: Path) -> dict[str, float]:
             for _ in range(20):
                 assert c.post("/v1/embeddings", json=body).status_code == 200
             time.sleep(1.0)
-            idle_rss = _tree_rss(server.proc.pid)
+            idle_rss = tree_rss(server.proc.pid)
             lat = []
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -64,16 +66,15 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/ray_overhead")
     args = p.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", LENBATCH_CONFIG=args.config)
-    # Ray's workers at nice 0 like the single server (Ray's default is 15), as ray_scaleout.sh.
+    # Ray's workers at nice 0 like the single server (Ray's default is 15), as in ray-scaleout.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    cli = ("-c", "import sys; from lenbatch.cli import main; sys.exit(main())")
     targets = [
         Target(
             "lenbatch serve (bucketed, 2 threads)",
             "strategy",
             (
                 sys.executable,
-                *cli,
+                *LENBATCH_CLI,
                 "serve",
                 "--config",
                 args.config,

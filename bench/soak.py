@@ -1,6 +1,6 @@
 """Soak: replay the dev trace against one `lenbatch serve` for a long time and watch its memory.
 
-    .venv/bin/python bench/soak.py --minutes 10 --rate-scale 2 --out bench/results/soak.md
+    bench/run.py soak -- --minutes 10 --rate-scale 2 --out bench/results/soak.md
 
 Starts the server (MiniLM, the tuned config `make serve` uses), replays the bundled Azure
 trace with `lenbatch replay` (open loop, real text), samples the server's resident set every
@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,14 +24,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from lenbatch.replay.process import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mb(pid: int) -> float:

@@ -13,6 +13,8 @@ from lenbatch.core.errors import ModelFailed, Unavailable
 from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from tests.llm_reference import PROMPTS
 
+pytestmark = pytest.mark.slow
+
 
 def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
     batching = BatchingConfig(strategy="fifo", max_batch=8, max_wait_ms=20)

@@ -14,6 +14,8 @@ from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
+pytestmark = pytest.mark.slow
+
 
 def _engine(runner: Any, mode: DecodeMode, **gen: Any) -> GenerationEngine:
     batching = BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=5)

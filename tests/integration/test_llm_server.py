@@ -19,6 +19,8 @@ from lenbatch.generate import STAGES, GenerationEngine
 from lenbatch.generate.api import create_llm_app
 from tests.llm_reference import PROMPTS, reference_greedy
 
+pytestmark = pytest.mark.slow
+
 
 class _Served:
     def __init__(self, engine: GenerationEngine, url: str) -> None:

@@ -13,6 +13,8 @@ from lenbatch.config import BatchingConfig
 from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner, resolve_model
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def reference(real_texts: list[str]) -> np.ndarray:

@@ -9,6 +9,8 @@ import pytest
 from lenbatch.runners import EmbeddingRunner
 from tests.integration.conftest import LiveServer
 
+pytestmark = pytest.mark.slow
+
 
 def _client(srv: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)

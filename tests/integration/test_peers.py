@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from lenbatch.replay.peers.common import PlainEncoder
 from lenbatch.replay.peers.naive import create_app
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 TEXTS = ["A short one.", "Four score and seven years ago our fathers brought forth " * 3]
 

@@ -25,6 +25,8 @@ from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner, load_runner, resolve_model
 from lenbatch.runners.base import PackedEmbeddingRunner
 
+pytestmark = pytest.mark.slow
+
 _DATA = Path(str(resources.files("lenbatch") / "data" / "text"))
 
 

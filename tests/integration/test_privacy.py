@@ -15,6 +15,8 @@ from lenbatch.runners import EmbeddingRunner
 from lenbatch.serving.lengthlog import LengthLog
 from tests.integration.conftest import LiveServer
 
+pytestmark = pytest.mark.slow
+
 CANARY = "zqxcanary7731"
 
 

@@ -30,7 +30,7 @@ from tests.llm_reference import PROMPTS, reference_greedy
 
 ray = pytest.importorskip("ray", reason="needs the Ray extra: pip install 'lenbatch[ray]'")
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 SHORT = ["hi there", "a short one", "cats sleep", "why?", "small input here"]
 LONG = [

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from lenbatch.cli import main
-from lenbatch.replay.bench import ServerProcess, free_port, prepare_target, targets_for
 from lenbatch.replay.peers.external import PeerVenv
 from lenbatch.replay.peers.infinity import INFINITY
+from lenbatch.replay.process import ServerProcess, free_port
+from lenbatch.replay.targets import prepare_target, targets_for
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 _ABSENT = PeerVenv(INFINITY.venv).stamp() is None
 _REASON = (

@@ -15,7 +15,7 @@ from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.summary import SUMMARY_KEYS
 from tests.integration.conftest import LiveServer
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 MAPPING = ["--length-scale", "0.0625", "--max-length", "256", "--no-progress"]
 COST = Path(__file__).parents[2] / "bench" / "results" / "cost_minilm_cpu.json"

@@ -17,6 +17,8 @@ from lenbatch.core.collate import collate
 from lenbatch.runners import EmbeddingRunner
 from tests.integration.conftest import LiveServer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def megabyte_text() -> str:

@@ -20,6 +20,8 @@ from lenbatch.plan.sim import simulate
 from lenbatch.plan.trace import Trace
 from lenbatch.runners.fake import FakeRunner
 
+pytestmark = pytest.mark.slow
+
 COST = CostModel(const=0.4, per_token=0.001)
 # (arrival s, length): A and B together, then C, D, E while the runner is busy
 ARRIVALS = [(0.0, 5), (0.0, 10), (0.6, 20), (0.9, 8), (1.2, 30)]

@@ -19,6 +19,8 @@ from lenbatch.generate.shapes import ShapeClasses, make_fixed_shapes
 from lenbatch.runners.graphs import GraphInputs
 from tests.llm_reference import MAX_NEW
 
+pytestmark = pytest.mark.slow
+
 
 async def _collect(engine: GenerationEngine, seq: Generation) -> list[int]:
     tokens: list[int] = []

@@ -43,6 +43,7 @@ def test_analyze_json_matches_numpy(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["notes"] == ["input lengths x0.05", "clipped 70 inputs to 256 tokens"]
 
 
+@pytest.mark.slow
 def test_analyze_text_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Text output names the mapping; --plot writes a PNG."""
     png = tmp_path / "h.png"
@@ -130,6 +131,7 @@ async def test_engine_length_log_round_trip(
     assert len(fit["boundaries"]) <= 2  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_profile_minilm_small_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`profile` on the real model writes a cost model with one point per grid cell and a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,8 @@ from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
 from tests.property.strategies import Arrival, workloads
+
+pytestmark = pytest.mark.slow
 
 
 class Violation(AssertionError):

@@ -3,6 +3,7 @@ its new lane, arrival order kept; and `adaptive` keeps every invariant across sw
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +11,8 @@ from lenbatch.config import BatchingConfig, Strategy
 from lenbatch.core.lanes import resolve_scheduler
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
+
+pytestmark = pytest.mark.slow
 
 bounds = st.sets(st.integers(1, 128), min_size=1, max_size=5).map(lambda s: tuple(sorted(s)))
 

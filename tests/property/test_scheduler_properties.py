@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +149,7 @@ def check_batch(
             last_taken[b.lane] = i
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     cfg=scheduler_configs(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,8 @@ from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
 from tests.property import reference_scheduler
 from tests.property.strategies import FIXED
+
+pytestmark = pytest.mark.slow
 
 
 @dataclass

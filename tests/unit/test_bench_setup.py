@@ -16,9 +16,9 @@ from lenbatch.cli.traffic import Traffic
 from lenbatch.config import Strategy
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.trace import Trace
-from lenbatch.replay.bench import targets_for
 from lenbatch.replay.driver import ReplayPlan
 from lenbatch.replay.endpoints import EmbeddingsEndpoint
+from lenbatch.replay.targets import targets_for
 
 
 def test_targets_start_serve_with_each_strategy_and_the_peers() -> None:
@@ -93,6 +93,7 @@ def _traffic(argv: list[str]) -> Traffic:
     return traffic_from_args(build_parser().parse_args(argv))
 
 
+@pytest.mark.slow
 def test_scenario_traffic_is_built_with_real_lengths() -> None:
     """`--scenario` builds seeded arrivals and text bodies sized by the model's tokenizer."""
     argv = ["replay", "--scenario", "long-heavy", "--rate", "5", "--duration", "4"]
@@ -105,6 +106,7 @@ def test_scenario_traffic_is_built_with_real_lengths() -> None:
     assert isinstance(body["input"], str) and "model" not in body
 
 
+@pytest.mark.slow
 def test_completions_traffic_carries_output_lengths() -> None:
     """With `--endpoint completions`, max_tokens is the trace's output length."""
     argv = ["replay", "azure-conv", "--endpoint", "completions", "--limit", "3"]
@@ -128,6 +130,7 @@ def test_traffic_needs_exactly_one_source() -> None:
         _traffic(["replay", "azure-conv", "--scenario", "mixed", "--url", "http://127.0.0.1:1"])
 
 
+@pytest.mark.slow
 def test_span_fixes_the_trace_window_whatever_the_rate_scale() -> None:
     """`--span S` replays the requests of [start, start+S) of trace time at any rate scale,
     in S / rate-scale seconds; it refuses --duration and --end."""
@@ -173,3 +176,127 @@ def test_oracle_figures_use_each_strategys_batching_on_the_bench_requests(tmp_pa
     assert figures["naive"]["real_tokens_per_s"] == pytest.approx(plain.real_tokens_per_s)
     assert figures["fifo"]["real_tokens_per_s"] < figures["naive"]["real_tokens_per_s"]
     assert "cost.json" in note and "--max-batch 4" in note
+
+
+# --- bench/run.py: every recipe's commands, built without running anything ---------------
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+# Positional arguments a recipe needs before it can build its steps.
+RECIPE_ARGS = {
+    "llm-decode-replay": ["0.3", "before", "after:--dtype auto --step-tokens 4096"],
+    "runners-live": [
+        "--targets",
+        "before,light,fp32-padded,naive,bf16-padded,bf16-packed,bf16-packed-split,"
+        "saturation,saturation-split",
+    ],
+    "peers": ["--parts", "emb,llm"],
+}
+
+
+@pytest.fixture(scope="module")
+def bench_runner() -> Any:
+    """bench/run.py imported as a module (it puts bench/ on the path for its own modules)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _commands(steps: list[Any]) -> list[Any]:
+    """The command lines among a recipe's steps, servers and what runs against them included."""
+    out = []
+    for step in steps:
+        if hasattr(step, "serve"):
+            out += [step.serve, *step.steps]
+        elif hasattr(step, "args"):
+            out.append(step)
+    return out
+
+
+def test_every_recipe_builds_lenbatch_commands_that_parse(bench_runner: Any) -> None:
+    """Each recipe's `lenbatch` command lines, and the serve flags they pass on, parse."""
+    import shlex
+
+    from lenbatch.cli import build_parser
+
+    parser = build_parser()
+    for name, recipe in bench_runner.RECIPES.items():
+        args, steps = bench_runner.plan(["--dry-run", name, *RECIPE_ARGS.get(name, [])])
+        assert args.dry_run and steps, name
+        for cmd in _commands(steps):
+            if cmd.tool == "python":
+                script = cmd.args[0]
+                assert script == "-c" or (BENCH.parent / script).is_file(), (name, script)
+                continue
+            argv = [a.replace("{url}", "http://127.0.0.1:8000") for a in cmd.args]
+            parsed = parser.parse_args(argv)
+            if getattr(parsed, "serve_args", ""):
+                parser.parse_args(["serve", *shlex.split(parsed.serve_args)])
+        if recipe.script is not None:
+            assert [c.args for c in _commands(steps)] == [
+                (f"bench/{recipe.script}", *recipe.defaults)
+            ]
+
+
+def test_headline_runs_lenbatch_alone_with_a_given_sweep_and_folder(bench_runner: Any) -> None:
+    """`--peers none` leaves every peer out; the sweep and the output folder are the ones given."""
+    _, steps = bench_runner.plan(
+        ["headline", "--peers", "none", "--sweep", "16,32", "--out", "/tmp/h1"]
+    )
+    (cmd,) = steps
+    assert "--peer" not in cmd.args
+    assert cmd.args[cmd.args.index("--rate-sweep") + 1] == "16,32"
+    assert cmd.args[cmd.args.index("--report") + 1] == "/tmp/h1"
+    assert cmd.args[cmd.args.index("--strategies") + 1] == "adaptive,bucketed"
+
+
+def test_script_recipes_take_the_arguments_after_the_separator(bench_runner: Any) -> None:
+    """Arguments after `--` replace a script recipe's defaults."""
+    _, steps = bench_runner.plan(["soak", "--", "--minutes", "1"])
+    assert steps[0].args == ("bench/soak.py", "--minutes", "1")
+
+
+def test_dry_run_prints_the_commands_and_runs_nothing(
+    bench_runner: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dry-run prints every step and neither starts a process nor takes the lock."""
+    import subprocess
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a dry run started a process")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(bench_runner, "exclusive_cpu", refuse)
+    assert bench_runner.main(["ray-scaleout", "--dry-run", "--sweep", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "RAY_worker_niceness=0 lenbatch bench azure-conv" in out
+    assert "--rate-sweep 3 " in out and "table ray-scaleout" in out
+
+
+def test_every_entry_point_is_a_documented_recipe(bench_runner: Any) -> None:
+    """bench/README.md documents every recipe, and every script in bench/ is a recipe's."""
+    readme = (BENCH / "README.md").read_text(encoding="utf-8")
+    for name in bench_runner.RECIPES:
+        assert f"| `{name}` |" in readme, name
+    scripts = {r.script for r in bench_runner.RECIPES.values()} - {None}
+    runner = {"run.py", "recipes.py", "steps.py", "tables.py"}
+    assert {p.name for p in BENCH.glob("*.py")} - runner == scripts
+    assert not list(BENCH.glob("*.sh"))
+
+
+def test_llm_decode_table_reads_a_replay_summary_and_its_server_stats(
+    bench_runner: Any, tmp_path: Path
+) -> None:
+    """One row per summary; the decode step comes from the `/stats` saved beside it."""
+    summary = {
+        "completed": 9, "requests": 10, "ttft_p50_ms": 120.0, "ttft_p95_ms": 900.0,
+        "itl_p50_ms": 40.0, "itl_p95_ms": None, "output_tokens_per_s": 51.25, "p95_ms": 4500.0,
+    }  # fmt: skip
+    (tmp_path / "after-x0.3.json").write_text(json.dumps(summary), encoding="utf-8")
+    stats = {"steps": {"decode": {"mean_forward_ms": 61.04}}, "decode_mean_rows": 3.5}
+    (tmp_path / "after-x0.3.stats.json").write_text(json.dumps(stats), encoding="utf-8")
+    text = bench_runner.table_text("llm-decode", [str(tmp_path / "after-x0.3.json")], 1e3, "")
+    assert "| after-x0.3 | 9/10 | 120 / 900 | 40 / – | 51.2 | 4.50 s | 61.0 | 3.5 |" in text

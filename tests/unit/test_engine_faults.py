@@ -339,6 +339,7 @@ async def test_stop_after_drain_timeout_answers_everything_left(
     assert engine.unanswered == 0
 
 
+@pytest.mark.slow
 async def test_no_state_is_kept_per_answered_request(
     started: list[Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:

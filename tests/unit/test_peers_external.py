@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lenbatch.replay.bench import BenchConfig, Target, prepare_target, run_bench, targets_for
+from lenbatch.replay.bench import BenchConfig, run_bench
 from lenbatch.replay.driver import ReplayPlan
 from lenbatch.replay.endpoints import EmbeddingsEndpoint
 from lenbatch.replay.peers.external import PeerContext, PeerLaunch, PeerVenv, VenvSpec
@@ -20,6 +20,7 @@ from lenbatch.replay.peers.infinity import INFINITY
 from lenbatch.replay.peers.llamacpp import LLAMACPP, cpu_has_amx
 from lenbatch.replay.peers.registry import EXTERNAL_PEERS, external_peer
 from lenbatch.replay.peers.vllm import VLLM, VLLM_ALL_CORES, VLLM_BF16
+from lenbatch.replay.targets import Target, prepare_target, targets_for
 
 FAKE_SERVER = Path(__file__).with_name("fake_peer_server.py")
 
@@ -148,6 +149,7 @@ class FakePeer:
         return PeerLaunch(argv, {"FAKE_PEER_TOKEN": "ok"}, "/ready", ("fake flag note",))
 
 
+@pytest.mark.slow
 def test_bench_launches_a_fake_peer_and_reports_its_setup(tmp_path: Path) -> None:
     """The peer's venv record, command, environment and notes reach the report; its own
     health path is used; its environment is passed (the fake answers 500 otherwise); two

@@ -21,6 +21,7 @@ def _plan(times: list[float], bodies: list[dict[str, object]], lengths: list[int
     )
 
 
+@pytest.mark.slow
 async def test_slow_answer_does_not_delay_later_sends() -> None:
     """Open loop: a request taking 2 s does not hold back the ones scheduled after it."""
     n = 20

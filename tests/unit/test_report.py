@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from lenbatch.replay.driver import ReplayResult
-from lenbatch.replay.report import RunRecord, ratio, write_report
+from lenbatch.replay.records import RunRecord, ratio
+from lenbatch.replay.report import write_report
 
 
 def _summary(
@@ -92,6 +94,7 @@ def test_report_tables_show_ratios_against_fifo_and_the_peer(tmp_path: Path) -> 
     assert "lenbatch bench x" in text and "Machine: m" in text
 
 
+@pytest.mark.slow
 def test_report_puts_predictions_beside_live_figures(tmp_path: Path) -> None:
     """Predicted P50/P95/throughput appear with the signed difference from live."""
     text = write_report(tmp_path, _records(), {}).read_text()
@@ -99,6 +102,7 @@ def test_report_puts_predictions_beside_live_figures(tmp_path: Path) -> None:
     assert "| -10 % |" in line and "| +10 % |" in line  # P50 45 vs 50, P95 110 vs 100
 
 
+@pytest.mark.slow
 def test_report_without_predictions_says_why(tmp_path: Path) -> None:
     """With no prediction at all, the report prints the given note instead of a table."""
     records = [RunRecord(r.name, r.kind, r.rate, r.summary, r.result) for r in _records()]
@@ -106,6 +110,7 @@ def test_report_without_predictions_says_why(tmp_path: Path) -> None:
     assert "no cost model" in text
 
 
+@pytest.mark.slow
 def test_plots_are_written_as_png(tmp_path: Path) -> None:
     """The four plots exist, are PNG files, and are linked from the report."""
     text = write_report(tmp_path, _records(), {}).read_text()
@@ -115,6 +120,7 @@ def test_plots_are_written_as_png(tmp_path: Path) -> None:
         assert f"]({name})" in text
 
 
+@pytest.mark.slow
 def test_rate_sweep_adds_a_plot(tmp_path: Path) -> None:
     """With several rates, a P95-vs-throughput plot is added."""
     recs = _records()
@@ -129,7 +135,7 @@ def test_headline_picks_the_highest_rate_within_the_bound_and_the_saturation_poi
     """Per server over a sweep: highest rate with P95 <= 1 s and few failures, light-load P95
     (the lowest rate), the most real tokens/s at any rate, the largest RSS, and the ratio to
     the oracle where one is given."""
-    from lenbatch.replay.report import headline_rows
+    from lenbatch.replay.tables import headline_rows
 
     def run(name: str, rate: float, p95: float, tok: float, err: float, rss: float) -> RunRecord:
         s = _summary(p95 / 2, p95, tok, None, error_rate=err, peak_memory_mb=rss,

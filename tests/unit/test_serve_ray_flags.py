@@ -38,6 +38,7 @@ def test_app_builder_binds_the_two_deployments_without_a_cluster() -> None:
         app_builder({"routing": "random"})
 
 
+@pytest.mark.slow
 def test_a_causal_model_gets_lm_replicas(tiny_llama_dir: Path) -> None:
     """A causal LM is deployed on `LMReplica`s (completions and chat), an embedding model on
     `EngineReplica`s; adaptive batching, an embeddings strategy, is refused for a causal LM as

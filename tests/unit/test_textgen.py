@@ -9,6 +9,8 @@ import pytest
 
 from lenbatch.replay.bodies import TextBuilder, corpus_units, load_tokenizer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:

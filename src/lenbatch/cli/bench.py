@@ -8,19 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lenbatch.cli.common import COST_HELP
-from lenbatch.cli.traffic import add_traffic_options, describe, traffic_from_args
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in _names(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 0.5,1,2, got {text!r}") from None
+from lenbatch.cli.common import add_cost_option, float_list, name_list
+from lenbatch.cli.traffic import add_traffic_options, describe, driver_options, traffic_from_args
 
 
 def register(sub: Any) -> None:
@@ -36,14 +25,14 @@ def register(sub: Any) -> None:
     add_traffic_options(p)
     p.add_argument(
         "--strategies",
-        type=_names,
+        type=name_list,
         default=["static", "fifo", "sorted", "bucketed"],
         metavar="S1,S2",
         help="lenbatch strategies to run (default static,fifo,sorted,bucketed)",
     )
     p.add_argument(
         "--peer",
-        type=_names,
+        type=name_list,
         default=[],
         metavar="P1,P2",
         help="peers to run as well: naive, ray (Ray Serve @serve.batch), ray-lenbatch and "
@@ -56,33 +45,32 @@ def register(sub: Any) -> None:
     p.add_argument("--report", required=True, metavar="DIR", help="output folder")
     p.add_argument(
         "--rate-sweep",
-        type=_floats,
+        type=float_list,
         default=[1.0],
         metavar="X1,X2",
         help="run each target at these multiples of the traffic's rate (default 1)",
     )
-    p.add_argument(
+    s = p.add_argument_group("the servers under test")
+    s.add_argument("--max-batch", type=int, default=32, help="batch cap for all servers (32)")
+    s.add_argument(
+        "--max-wait-ms", type=float, default=10.0, help="batch wait for all servers (10 ms)"
+    )
+    s.add_argument(
         "--keep-server",
         action="store_true",
         help="start each server once and replay every rate of the sweep against it, in the "
         "order given (default: a fresh server per run). Saves start-up time: vLLM takes about a "
         "minute to start",
     )
-    p.add_argument("--max-batch", type=int, default=32, help="batch cap for all servers (32)")
-    p.add_argument(
-        "--max-wait-ms", type=float, default=10.0, help="batch wait for all servers (10 ms)"
-    )
-    p.add_argument(
+    s.add_argument(
         "--serve-args",
         default="",
         metavar="'ARGS'",
         help="extra flags for every `lenbatch serve`, e.g. '--boundaries 32,64,128'",
     )
-    p.add_argument(
-        "--cost",
-        metavar="FILE|auto|URL",
-        help="add the simulator's prediction of each strategy's run beside the live "
-        "figures, from this " + COST_HELP,
+    add_cost_option(
+        p,
+        "add the simulator's prediction of each strategy's run beside the live figures, from this ",
     )
     p.add_argument("--title", default=None, help="report title")
     p.add_argument("--conditions", default=None, help="a note on the conditions, in the report")
@@ -91,7 +79,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the traffic once, run every target, write the report."""
-    from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench, targets_for
+    from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench
+    from lenbatch.replay.targets import targets_for
 
     serve_args = shlex.split(args.serve_args)
     if args.cost:
@@ -148,18 +137,15 @@ def run(args: argparse.Namespace) -> int:
         targets=targets,
         report_dir=Path(args.report),
         rates=args.rate_sweep,
-        clients=args.clients,
-        timeout_s=args.timeout,
-        max_in_flight=args.max_in_flight,
         boundaries=_bucketed_boundaries(serve_args, traffic.max_length, args.model),
         max_length=traffic.max_length,
         warmup=traffic.warmup,
         predictor=predictor,
         meta=meta,
-        progress=not args.no_progress,
         model=args.model,
         max_batch=args.max_batch,
         keep_server=args.keep_server,
+        **driver_options(args),
     )
     path = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     if args.cost and args.strategies:

@@ -5,7 +5,8 @@ measured on another processor)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.trace import TRACE_FORMATS, ColumnMap, Trace, load_trace, map_trace
@@ -15,24 +16,45 @@ __all__ = [
     "adaptive_overrides",
     "add_adaptive_options",
     "add_batching_options",
+    "add_boundaries_option",
+    "add_cost_option",
+    "add_precision_options",
     "add_quantize_option",
     "add_trace_options",
     "batching_overrides",
+    "float_list",
     "int_list",
     "load_cost_model",
+    "map_from_args",
+    "name_list",
     "pin_cost_spec",
     "trace_from_args",
 ]
 
+T = TypeVar("T")
+
+
+def _parsed_list(text: str, convert: Callable[[str], T], example: str) -> list[T]:
+    """`text` split at commas, blanks dropped, each item converted (an argparse type's body)."""
+    try:
+        return [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}") from None
+
 
 def int_list(text: str) -> list[int]:
     """Parse `32,64,128` (an argparse type)."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 32,64,128, got {text!r}"
-        ) from None
+    return _parsed_list(text, int, "comma-separated integers like 32,64,128")
+
+
+def float_list(text: str) -> list[float]:
+    """Parse `0.5,1,2` (an argparse type)."""
+    return _parsed_list(text, float, "comma-separated numbers like 0.5,1,2")
+
+
+def name_list(text: str) -> list[str]:
+    """Parse `fifo,bucketed` (an argparse type); an empty text is an empty list."""
+    return _parsed_list(text, str, "comma-separated names")
 
 
 def boundaries_arg(text: str) -> list[int] | str:
@@ -40,6 +62,11 @@ def boundaries_arg(text: str) -> list[int] | str:
     if text.strip().lower() == "auto":
         return "auto"
     return int_list(text)
+
+
+def add_boundaries_option(p: Any, purpose: str) -> None:
+    """`--boundaries B1,B2,...`: bucket upper bounds in tokens, for `purpose` (its help)."""
+    p.add_argument("--boundaries", type=int_list, metavar="B1,B2,...", help=purpose)
 
 
 def add_batching_options(p: argparse.ArgumentParser) -> None:
@@ -229,6 +256,12 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     elif args.arrival_column or args.output_column:
         raise ValueError("--arrival-column and --output-column need --length-column too")
     trace = load_trace(args.trace, args.trace_format, columns=columns)
+    return map_from_args(trace, args)
+
+
+def map_from_args(trace: Trace, args: argparse.Namespace) -> Trace:
+    """`trace` mapped as the options of `add_trace_options` say (window, length scale, max
+    length, rate scale, limit)."""
     return map_trace(
         trace,
         length_scale=args.length_scale,
@@ -297,3 +330,28 @@ COST_HELP = (
     "dtype/execution run and a calibrated one), or a live server's URL http://HOST:PORT "
     "(strategy adaptive's online-fitted model from /stats)"
 )
+
+
+def add_cost_option(p: Any, purpose: str = "", *, required: bool = False) -> None:
+    """`--cost FILE|auto|URL`, its help `purpose` followed by what the three forms mean."""
+    p.add_argument("--cost", required=required, metavar="FILE|auto|URL", help=purpose + COST_HELP)
+
+
+def add_precision_options(p: Any, *, default: str | None = None) -> None:
+    """`--dtype` and `--execution`, as `serve` runs the model (`default`: what an absent flag
+    gives; None leaves the config file in force)."""
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        default=default,
+        help="model float type (default auto: bfloat16 where the hardware runs it natively, "
+        "else float32); the start-up log says what was picked and why",
+    )
+    p.add_argument(
+        "--execution",
+        choices=["auto", "padded", "packed"],
+        default=default,
+        help="packed (padding-free: token-wise layers on real tokens only; BERT-family "
+        "encoders), padded (each batch padded to its longest member) or auto (the default: "
+        "packed where the model supports it, else padded)",
+    )

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lenbatch.cli.common import COST_HELP, add_trace_options, load_cost_model, trace_from_args
+from lenbatch.cli.common import (
+    add_cost_option,
+    add_trace_options,
+    load_cost_model,
+    trace_from_args,
+)
 from lenbatch.config import BatchingConfig
 from lenbatch.plan.fitting import (
     AUTO_MAX_BUCKETS,
@@ -24,28 +30,27 @@ __all__ = ["config_snippet", "register", "run"]
 _DEFAULTS = BatchingConfig()
 
 
-def _buckets(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
-    return k
+def _positive_or(word: str, convert: Callable[[str], float], what: str) -> Callable[[str], Any]:
+    """An argparse type: `word` itself, or a positive number read by `convert`."""
+
+    def parse(text: str) -> float | str:
+        if text == word:
+            return text
+        try:
+            value = convert(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive {what} or {word!r}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
-def _rate(text: str) -> float | str:
-    if text == "full":
-        return text
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = 0.0
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive rate or 'full', got {text!r}")
-    return rate
+_buckets = _positive_or("auto", int, "integer")
+_rate = _positive_or("full", float, "rate")
 
 
 def register(sub: Any) -> None:
@@ -99,45 +104,29 @@ def register(sub: Any) -> None:
         help="optimal: most traffic (the longest requests) the overlong lane may take "
         f"(default {DEFAULT_MAX_OVERLONG_SHARE})",
     )
-    f.add_argument(
-        "--max-wait-ms",
-        type=float,
-        default=_DEFAULTS.max_wait_ms,
-        metavar="MS",
-        help=f"bucket max wait (default {_DEFAULTS.max_wait_ms:g})",
-    )
-    f.add_argument(
-        "--max-batch",
-        type=int,
-        default=_DEFAULTS.max_batch,
-        metavar="N",
-        help=f"bucket max batch (default {_DEFAULTS.max_batch})",
-    )
-    f.add_argument(
-        "--overlong-max-wait-ms",
-        type=float,
-        default=_DEFAULTS.overlong_max_wait_ms,
-        metavar="MS",
-        help=f"overlong lane max wait (default {_DEFAULTS.overlong_max_wait_ms:g})",
-    )
-    f.add_argument(
-        "--overlong-max-batch",
-        type=int,
-        default=_DEFAULTS.overlong_max_batch,
-        metavar="N",
-        help=f"overlong lane max batch (default {_DEFAULTS.overlong_max_batch})",
-    )
-    f.add_argument(
-        "--cost",
-        metavar="FILE|auto|URL",
-        help="cost model whose per-batch constant, in tokens, is the batch overhead; " + COST_HELP,
-    )
+    lane_options: list[tuple[str, type, float, str, str]] = [
+        ("--max-wait-ms", float, _DEFAULTS.max_wait_ms, "MS", "bucket max wait"),
+        ("--max-batch", int, _DEFAULTS.max_batch, "N", "bucket max batch"),
+        (
+            "--overlong-max-wait-ms",
+            float,
+            _DEFAULTS.overlong_max_wait_ms,
+            "MS",
+            "overlong lane max wait",
+        ),
+        ("--overlong-max-batch", int, _DEFAULTS.overlong_max_batch, "N", "overlong lane max batch"),
+    ]
+    for flag, kind, default, metavar, what in lane_options:
+        f.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=f"{what} (default {default:g})"
+        )
     f.add_argument(
         "--batch-overhead-tokens",
         type=float,
         metavar="H",
         help="per-batch overhead in token-equivalents (overrides --cost)",
     )
+    add_cost_option(f, "cost model whose per-batch constant, in tokens, is the batch overhead; ")
     p.add_argument("--out", metavar="FILE.toml", help="also write the config snippet here")
     p.add_argument("--json", action="store_true", help="print a JSON result instead of text")
     p.set_defaults(run=run)

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from lenbatch.cli.common import int_list
+from lenbatch.cli.common import add_boundaries_option, add_precision_options, int_list
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 DEFAULT_LENGTHS = "16,32,64,128,256"
@@ -35,19 +35,9 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="COST.json", help="where to write the model")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads on CPU")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16", "auto"],
-        default="auto",
-        help="model float type, as `serve --dtype` (default auto, as serve's)",
-    )
-    p.add_argument(
-        "--execution",
-        choices=["auto", "padded", "packed"],
-        default="auto",
-        help="as `serve --execution` (default auto, as serve's); the grid's rows are all "
-        "of the point's length, so packed and padded batches hold the same tokens",
-    )
+    # As `serve` runs the model. The grid's rows are all of the point's length, so packed and
+    # padded batches hold the same tokens.
+    add_precision_options(p, default="auto")
     p.add_argument(
         "--batch-sizes",
         type=int_list,
@@ -70,11 +60,8 @@ def register(sub: Any) -> None:
         metavar="M",
         help="derive each bucket's max batch under this memory budget (weights included)",
     )
-    p.add_argument(
-        "--boundaries",
-        type=int_list,
-        metavar="B1,B2,...",
-        help="bucket upper bounds for --memory-budget-mb (default: the profiled lengths)",
+    add_boundaries_option(
+        p, "bucket upper bounds for --memory-budget-mb (default: the profiled lengths)"
     )
     p.add_argument("--json", action="store_true", help="print the cost model JSON at the end")
     p.set_defaults(run=run)

@@ -8,7 +8,13 @@ import json
 import sys
 from typing import Any
 
-from lenbatch.cli.traffic import add_traffic_options, describe, traffic_from_args
+from lenbatch.cli.common import add_boundaries_option
+from lenbatch.cli.traffic import (
+    add_traffic_options,
+    describe,
+    driver_options,
+    traffic_from_args,
+)
 
 
 def register(sub: Any) -> None:
@@ -28,12 +34,7 @@ def register(sub: Any) -> None:
         required=True,
         help="server base URL on this machine, e.g. http://127.0.0.1:8000",
     )
-    p.add_argument(
-        "--boundaries",
-        default=None,
-        metavar="B1,B2,...",
-        help="report latency per these buckets (default: the server's own)",
-    )
+    add_boundaries_option(p, "report latency per these buckets (default: the server's own)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON ('-': stdout)")
     p.set_defaults(run=run)
 
@@ -86,24 +87,11 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.replay.driver import replay, summarize_replay
 
     check_loopback(args.url)
-    bounds = None
-    if args.boundaries:
-        bounds = [int(x) for x in args.boundaries.split(",") if x.strip()]
     traffic = traffic_from_args(args)
     for note in traffic.plan.notes:
         print(f"replay: {note}", file=sys.stderr)
-    result = asyncio.run(
-        replay(
-            args.url,
-            traffic.plan,
-            traffic.endpoint,
-            clients=args.clients,
-            timeout_s=args.timeout,
-            max_in_flight=args.max_in_flight,
-            progress=not args.no_progress,
-        )
-    )
-    summary = summarize_replay(result, boundaries=bounds, max_length=args.max_length)
+    result = asyncio.run(replay(args.url, traffic.plan, traffic.endpoint, **driver_options(args)))
+    summary = summarize_replay(result, boundaries=args.boundaries, max_length=args.max_length)
     summary["notes"] = list(traffic.plan.notes)
     summary["settings"] = describe(args)
     print_summary(summary, sys.stderr if args.json == "-" else sys.stdout)

@@ -11,6 +11,7 @@ from lenbatch.cli.common import (
     adaptive_overrides,
     add_adaptive_options,
     add_batching_options,
+    add_precision_options,
     add_quantize_option,
     batching_overrides,
 )
@@ -104,20 +105,8 @@ def register(sub: Any) -> None:
         help="on SIGTERM, how long admitted requests may take to finish (default 30)",
     )
     p.add_argument("--device", help="torch device (default cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16", "auto"],
-        help="model float type (default auto: bfloat16 where the hardware runs it natively, "
-        "else float32); the start-up log says what was picked and why",
-    )
+    add_precision_options(p)
     add_quantize_option(p)
-    p.add_argument(
-        "--execution",
-        choices=["auto", "padded", "packed"],
-        help="packed (padding-free: token-wise layers on real tokens only; BERT-family "
-        "encoders), padded (each batch padded to its longest member) or auto (the default: "
-        "packed where the model supports it, else padded)",
-    )
     p.add_argument(
         "--cost",
         metavar="FILE|auto|URL",
@@ -238,14 +227,7 @@ def run(args: argparse.Namespace) -> int:
         # packed runner would compute real tokens only and hide what padding costs.
         execution = "padded"
         log.info("execution auto: padded, because strategy static pads on purpose")
-    runner = load_runner(
-        m.name,
-        device=m.device,
-        max_length=m.max_length,
-        torch_threads=m.torch_threads,
-        dtype=m.dtype,
-        execution=execution,
-    )
+    runner = load_runner(m.name, execution=execution, **_runner_options(m))
     engine = Engine(
         runner,
         settings.batching,
@@ -339,13 +321,7 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     m = settings.model
     log.info("loading causal LM %s from %s", ref.name, ref.gguf_file or ref.folder)
     runner = CausalLMRunner(
-        ref.folder,
-        gguf_file=ref.gguf_file,
-        name=ref.name,
-        device=m.device,
-        max_length=m.max_length,
-        torch_threads=m.torch_threads,
-        dtype=m.dtype,
+        ref.folder, gguf_file=ref.gguf_file, name=ref.name, **_runner_options(m)
     )
     engine = GenerationEngine(
         runner,
@@ -363,6 +339,11 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings), engine
+
+
+def _runner_options(m: Any) -> dict[str, Any]:
+    """What every runner takes from the model settings, under the settings' own names."""
+    return {name: getattr(m, name) for name in ("device", "max_length", "torch_threads", "dtype")}
 
 
 def _serve_cost(spec: str | None, device: str, runner: Any) -> Any:

@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 
 from lenbatch.cli.common import (
-    COST_HELP,
     adaptive_overrides,
     add_adaptive_options,
     add_batching_options,
+    add_cost_option,
+    add_trace_options,
     batching_overrides,
     load_cost_model,
     trace_from_args,
@@ -32,7 +33,6 @@ __all__ = [
     "SimContext",
     "add_sim_options",
     "f",
-    "float_list",
     "pct",
     "per_bucket",
     "settings_from_args",
@@ -43,19 +43,11 @@ __all__ = [
 MINILM_MAX_LENGTH = 256  # the bundled default model's limit
 
 
-def float_list(text: str) -> list[float]:
-    """Parse `0.5,1,2` (an argparse type)."""
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers like 0.5,1,2, got {text!r}"
-        ) from None
-
-
 def add_sim_options(p: argparse.ArgumentParser) -> None:
-    """--cost, --config, the serve batching flags, --concurrency, --truncate, --json."""
-    p.add_argument("--cost", required=True, metavar="FILE|auto|URL", help=COST_HELP)
+    """TRACE and its mapping, --cost, --config, the serve batching flags, --concurrency,
+    --truncate, --json: what a command that simulates a trace (`simulate`, `tune`) reads."""
+    add_trace_options(p)
+    add_cost_option(p, required=True)
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml) as for serve")
     add_batching_options(p)
     add_adaptive_options(p)

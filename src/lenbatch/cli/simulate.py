@@ -7,12 +7,11 @@ import json
 import sys
 from typing import Any
 
-from lenbatch.cli.common import add_trace_options
+from lenbatch.cli.common import float_list
 from lenbatch.cli.simreport import (
     SimContext,
     add_sim_options,
     f,
-    float_list,
     pct,
     per_bucket,
     side_by_side,
@@ -21,7 +20,7 @@ from lenbatch.cli.simreport import (
 from lenbatch.config import Strategy
 from lenbatch.plan.sweep import SweepPoint, SweepResult, plot_sweep, sweep
 
-__all__ = ["register", "run"]
+__all__ = ["parse_strategies", "register", "run"]
 
 
 def register(sub: Any) -> None:
@@ -36,7 +35,6 @@ def register(sub: Any) -> None:
         "length limit is --max-length (default: the config's model.max_length, else 256 = "
         "MiniLM); longer inputs are rejected unless --truncate.",
     )
-    add_trace_options(p)
     add_sim_options(p)
     p.add_argument(
         "--strategy",

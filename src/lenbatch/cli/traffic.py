@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.cli.common import add_trace_options, trace_from_args
-from lenbatch.plan.trace import Trace, map_trace
+from lenbatch.cli.common import add_trace_options, map_from_args, trace_from_args
+from lenbatch.plan.trace import Trace
 from lenbatch.replay.driver import ReplayPlan, plan_from_trace
 from lenbatch.replay.endpoints import ENDPOINTS, Endpoint, make_endpoint
 from lenbatch.replay.scenarios import SCENARIOS, build_scenario, pools_from_builder
 
-__all__ = ["Traffic", "add_traffic_options", "traffic_from_args"]
+__all__ = ["Traffic", "add_traffic_options", "driver_options", "traffic_from_args"]
 
 
 def add_traffic_options(p: argparse.ArgumentParser) -> None:
@@ -156,16 +156,7 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
             duration_s=duration,
             seed=args.seed,
         )
-        trace = map_trace(
-            raw,
-            length_scale=args.length_scale,
-            max_length=args.max_length,
-            overflow=args.overflow,
-            rate_scale=args.rate_scale,
-            limit=args.limit,
-            start_s=args.start,
-            end_s=args.end,
-        )
+        trace = map_from_args(raw, args)
     else:
         trace = trace_from_args(args)
     if args.duration is not None and trace.arrivals is not None:
@@ -222,6 +213,17 @@ def _map_outputs(trace: Trace, scale: float, limit: int | None) -> Trace:
         out = np.minimum(out, limit)
         trace = trace.with_note(f"clipped {n_over} outputs to {limit} tokens", output_lengths=out)
     return trace
+
+
+def driver_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How the load driver sends, from the flags `add_traffic_options` added: keyword
+    arguments of `replay.driver.replay` (and fields of `replay.bench.BenchConfig`)."""
+    return {
+        "clients": args.clients,
+        "timeout_s": args.timeout,
+        "max_in_flight": args.max_in_flight,
+        "progress": not args.no_progress,
+    }
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:

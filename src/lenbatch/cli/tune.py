@@ -6,19 +6,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lenbatch.cli.common import add_trace_options, int_list
-from lenbatch.cli.simreport import (
-    SimContext,
-    add_sim_options,
-    f,
-    float_list,
-    pct,
-    per_bucket,
-    side_by_side,
-)
+from lenbatch.cli.common import float_list, int_list
+from lenbatch.cli.simreport import SimContext, add_sim_options, f, pct, per_bucket, side_by_side
 from lenbatch.plan.fitting import FitMethod
 from lenbatch.plan.sweep import offered_rps
 from lenbatch.plan.tune import (
@@ -47,7 +40,6 @@ def register(sub: Any) -> None:
         "`lenbatch simulate`. Prints the best config and its predicted figures; --out writes "
         "it as a config file for `lenbatch serve --config`.",
     )
-    add_trace_options(p)
     add_sim_options(p)
     p.add_argument("--slo-p95-ms", type=float, required=True, metavar="MS", help="P95 latency SLO")
     p.add_argument("--out", metavar="FILE.toml", help="write the best config here")
@@ -58,28 +50,21 @@ def register(sub: Any) -> None:
         metavar="M1,M2",
         help="fit methods for boundaries (default: all)",
     )
-    g.add_argument(
-        "--buckets",
-        type=int_list,
-        default=list(DEFAULT_BUCKETS),
-        metavar="K1,K2",
-        help="bucket counts to fit, besides auto (default 2,3,4,5,6)",
-    )
-    g.add_argument(
-        "--waits-ms",
-        type=float_list,
-        default=list(DEFAULT_WAITS_MS),
-        metavar="W1,W2",
-        help="max waits to try, ms (those over half the SLO are skipped; "
-        "default 1,2,5,10,20,50,100)",
-    )
-    g.add_argument(
-        "--batches",
-        type=int_list,
-        default=list(DEFAULT_BATCHES),
-        metavar="B1,B2",
-        help="max batch sizes to try per lane (default 4,8,16,32,64)",
-    )
+    grids: list[tuple[str, Any, Sequence[float], str, str]] = [
+        ("--buckets", int_list, DEFAULT_BUCKETS, "K1,K2", "bucket counts to fit, besides auto"),
+        ("--waits-ms", float_list, DEFAULT_WAITS_MS, "W1,W2",
+         "max waits to try, ms (those over half the SLO are skipped)"),
+        ("--batches", int_list, DEFAULT_BATCHES, "B1,B2", "max batch sizes to try per lane"),
+    ]  # fmt: skip
+    for flag, kind, default, metavar, what in grids:
+        shown = ",".join(f"{x:g}" for x in default)
+        g.add_argument(
+            flag,
+            type=kind,
+            default=list(default),
+            metavar=metavar,
+            help=f"{what} (default {shown})",
+        )
     p.set_defaults(run=run)
 
 

@@ -29,6 +29,7 @@ from lenbatch.plan.padmodel import (
     score_boundaries,
     score_partition,
 )
+from lenbatch.plan.trace import FloatArray, IntArray
 
 __all__ = [
     "AUTO_MAX_BUCKETS",
@@ -43,8 +44,6 @@ __all__ = [
     "score_boundaries",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 _ColumnFn = Callable[[int], FloatArray]  # b -> cost of the group a..b for a = 0..b
 
 # MiniLM on a 2-core CPU: a batch costs ~25 ms on top of ~5k padded tokens/s, i.e. about 128

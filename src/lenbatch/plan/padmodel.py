@@ -29,12 +29,16 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
+from lenbatch.plan.trace import FloatArray, IntArray
+
 __all__ = [
     "BatchModel",
+    "BatchParams",
     "LaneFit",
     "batch_pmf",
     "check_boundaries",
@@ -46,9 +50,6 @@ __all__ = [
     "score_boundaries",
     "score_partition",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,21 @@ class LaneFit:
     overlong: bool = False
 
 
+class BatchParams(TypedDict, total=False):
+    """`BatchModel`'s fields but the overhead, as keyword arguments (each has its default)."""
+
+    rate: float | None
+    max_wait_s: float
+    max_batch: int
+    overlong_max_batch: int
+    overlong_max_wait_s: float
+
+
 @dataclass(frozen=True)
 class BatchModel:
     """The batching model's parameters (see the module docstring)."""
 
-    rate: float | None  # requests per second; None: every batch full
+    rate: float | None = None  # requests per second; None: every batch full
     max_wait_s: float = 0.01
     max_batch: int = 32
     overlong_max_batch: int = 8
@@ -232,20 +243,15 @@ def score_boundaries(
     boundaries: Sequence[int],
     max_length: int,
     *,
-    rate: float | None = None,
-    max_wait_s: float = 0.01,
-    max_batch: int = 32,
-    overlong_max_batch: int = 8,
-    overlong_max_wait_s: float = 0.05,
     batch_overhead_tokens: float = 0.0,
+    **batching: Unpack[BatchParams],
 ) -> tuple[float, float, tuple[LaneFit, ...]]:
     """(objective, expected padding waste, per-lane figures) of given boundaries under the
-    model in the module docstring. Lengths over `max_length` are left out."""
+    model in the module docstring, with `batching` as in `BatchModel` (its defaults where not
+    given). Lengths over `max_length` are left out."""
     values, counts, _ = length_support(lengths, max_length)
     b = check_boundaries(boundaries, max_length)
-    model = BatchModel(
-        rate, max_wait_s, max_batch, overlong_max_batch, overlong_max_wait_s, batch_overhead_tokens
-    )
+    model = BatchModel(**batching, overhead=batch_overhead_tokens)
     return score_partition(values, counts, b, max_length, model)
 
 
@@ -253,23 +259,9 @@ def expected_padding_waste(
     lengths: npt.ArrayLike,
     boundaries: Sequence[int],
     max_length: int,
-    *,
-    rate: float | None = None,
-    max_wait_s: float = 0.01,
-    max_batch: int = 32,
-    overlong_max_batch: int = 8,
-    overlong_max_wait_s: float = 0.05,
+    **batching: Unpack[BatchParams],
 ) -> float:
     """Token-weighted padding waste, `1 - real / padded tokens`, that `boundaries` are expected
     to leave on traffic like `lengths` (model in the module docstring; `rate=None`: full
     batches)."""
-    return score_boundaries(
-        lengths,
-        boundaries,
-        max_length,
-        rate=rate,
-        max_wait_s=max_wait_s,
-        max_batch=max_batch,
-        overlong_max_batch=overlong_max_batch,
-        overlong_max_wait_s=overlong_max_wait_s,
-    )[1]
+    return score_boundaries(lengths, boundaries, max_length, **batching)[1]

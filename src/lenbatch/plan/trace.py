@@ -29,6 +29,8 @@ __all__ = [
     "BUNDLED_TRACES",
     "TRACE_FORMATS",
     "ColumnMap",
+    "FloatArray",
+    "IntArray",
     "Trace",
     "bundled_path",
     "detect_format",
@@ -41,8 +43,9 @@ __all__ = [
     "map_trace",
 ]
 
-IntArray = npt.NDArray[np.int64]
+# The column types of traces and of the plans, results and fits made from them.
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 # Traces shipped inside the package (see data/README.md for sources and licences).
 BUNDLED_TRACES = {

@@ -1,10 +1,10 @@
 """`lenbatch bench`: replay the same traffic against every strategy and the peers, in one run.
 
-For each target — a `lenbatch serve --strategy S` process or a peer server — and each rate:
-start it on a free loopback port, wait for `/health`, send a few warm-up requests, replay the
-plan open-loop, read `/stats`, stop it with SIGTERM (its whole process group if it lingers),
-and keep the summary and per-request columns. The server's process-tree RSS is sampled while
-it runs, so every target's peak memory is measured the same way. Then `report.write_report`.
+For each target (`replay.targets`: a `lenbatch serve --strategy S` process or a peer server) and
+each rate: start it on a free loopback port and wait for its health path (`replay.process`),
+send a few warm-up requests, replay the plan open-loop, read `/stats`, stop it, and keep the
+summary and per-request columns. The server's process-tree RSS is sampled while it runs, so
+every target's peak memory is measured the same way. Then `report.write_report`.
 
 The request bodies are built once, before any server starts, so every target gets the very
 same requests at the very same offsets.
@@ -16,12 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,261 +26,22 @@ import numpy as np
 
 from lenbatch.replay.driver import ReplayPlan, ReplayResult, replay, summarize_replay
 from lenbatch.replay.endpoints import Endpoint
-from lenbatch.replay.peers.external import (
-    OFFLINE_ENV,
-    ExternalPeer,
-    PeerContext,
-    PeerVenv,
-    peers_dir,
-)
-from lenbatch.replay.report import RunRecord, write_report
+from lenbatch.replay.process import ServerProcess, free_port, tree_rss
+from lenbatch.replay.records import RunRecord
+from lenbatch.replay.report import write_report
+from lenbatch.replay.targets import Target, prepare_target
 
 __all__ = [
     "BenchConfig",
-    "ServerProcess",
-    "Target",
+    "lengths_summary",
     "machine_description",
-    "prepare_target",
     "run_bench",
-    "targets_for",
+    "run_on_one_server",
+    "run_one",
+    "software_description",
 ]
 
 Predictor = Callable[[str, float], dict[str, Any] | None]  # (strategy, rate) -> summary
-
-
-@dataclass(frozen=True)
-class Target:
-    """A server to benchmark: a lenbatch strategy or a peer.
-
-    A peer from another project (`external`) has no command line until `prepare_target`
-    has made its venv and asked it how to launch; then `argv`, `env`, `health_path` and
-    `info` (versions, flags, install record: for the report) are filled in.
-    """
-
-    name: str
-    kind: str  # "strategy" or "peer"
-    argv: tuple[str, ...]  # command line; "{port}" is replaced by the port
-    env: tuple[tuple[str, str], ...] = ()  # added to the environment
-    health_path: str = "/health"
-    external: ExternalPeer | None = field(default=None, compare=False)
-    info: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    def command(self, port: int) -> list[str]:
-        """The command line for `port`."""
-        return [a.replace("{port}", str(port)) for a in self.argv]
-
-
-_CLI = ("-c", "import sys; from lenbatch.cli import main; sys.exit(main())")
-
-
-def targets_for(
-    strategies: Sequence[str],
-    peers: Sequence[str],
-    *,
-    model: str = "minilm",
-    max_batch: int = 32,
-    max_wait_ms: float = 10.0,
-    serve_args: Sequence[str] = (),
-) -> list[Target]:
-    """Targets for the given strategies and peers, all with the same batch size and wait."""
-    from lenbatch.config import Strategy
-    from lenbatch.replay.peers.registry import EXTERNAL_PEERS, PEERS, external_peer
-
-    out = []
-    for s in strategies:
-        Strategy.parse(s)
-        argv = (
-            sys.executable, *_CLI, "serve", "--model", model, "--strategy", s,
-            "--port", "{port}", "--max-batch", str(max_batch), "--max-wait-ms", f"{max_wait_ms:g}",
-            "--log-level", "warning", *serve_args,
-        )  # fmt: skip
-        out.append(Target(s, "strategy", argv))
-    for p in peers:
-        if p in EXTERNAL_PEERS:
-            out.append(Target(p, "peer", (), external=external_peer(p)))
-            continue
-        if p not in PEERS:
-            known = ", ".join([*PEERS, *EXTERNAL_PEERS])
-            raise ValueError(f"unknown peer {p!r}; choose from: {known}")
-        argv = (sys.executable, "-m", PEERS[p], "--model", model, "--port", "{port}")
-        if p == "ray":
-            argv += ("--max-batch", str(max_batch), "--max-wait-ms", f"{max_wait_ms:g}")
-        out.append(Target(p, "peer", argv))
-    return out
-
-
-def prepare_target(
-    target: Target,
-    *,
-    model: str,
-    endpoint: str,
-    max_batch: int,
-    log: Callable[[str], None] = print,
-    root: Path | None = None,
-) -> Target:
-    """The target ready to launch: for a peer from another project, its venv made (first use
-    only: minutes) and its launch command, environment and report record filled in."""
-    peer = target.external
-    if peer is None or target.argv:  # a lenbatch target, or one prepared already
-        return target
-    if endpoint not in peer.endpoints:
-        raise ValueError(
-            f"peer {target.name} serves {', '.join(peer.endpoints)}, not {endpoint} "
-            "(see --endpoint)"
-        )
-    venv = PeerVenv(peer.venv, root or peers_dir())
-    record = venv.ensure(log)
-    ctx = PeerContext(
-        model=model, endpoint=endpoint, max_batch=max_batch, python=venv.python, venv=venv.path
-    )
-    launch = peer.launch(ctx)
-    env = {**OFFLINE_ENV, **launch.env}
-    info = {
-        "versions": record.get("versions", {}),
-        "python": record.get("python"),
-        "requirements": record.get("requirements", []),
-        "uninstalled": record.get("uninstalled", []),
-        "install_s": record.get("install_s"),
-        "disk_mb": record.get("disk_mb"),
-        "env": env,
-        "notes": list(launch.notes),
-    }
-    return replace(
-        target, argv=launch.argv, env=tuple(env.items()), health_path=launch.health_path, info=info
-    )
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tree_rss(root: int) -> int:
-    """Resident bytes of `root` and all its descendants (Linux /proc; 0 elsewhere)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat", encoding="ascii", errors="replace") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(e)
-        children.setdefault(int(fields[1]), []).append(pid)  # field 4: ppid
-        rss[pid] = int(fields[21]) * page  # field 24: rss in pages
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += rss.get(pid, 0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
-def _cpu_seconds(stat_path: str) -> float | None:
-    """utime + stime of a /proc stat file, in seconds; None if unreadable."""
-    try:
-        with open(stat_path, encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
-
-
-class ServerProcess:
-    """A server subprocess in its own process group, with a peak-RSS sampler."""
-
-    def __init__(self, target: Target, port: int, log_path: Path) -> None:
-        self.target = target
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-        if target.external is not None:  # another project's venv: nothing of lenbatch's
-            for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
-                env.pop(key, None)
-        env.update(dict(target.env))
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            target.command(port),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group, so stop() can end every child it made
-            env=env,
-        )
-        self.peak_rss = 0
-        self._stop_sampling = threading.Event()
-        self._sampler = threading.Thread(target=self._sample, daemon=True)
-        self._sampler.start()
-
-    def _sample(self) -> None:
-        while not self._stop_sampling.wait(0.25):
-            self.peak_rss = max(self.peak_rss, _tree_rss(self.proc.pid))
-
-    def cpu_seconds(self) -> dict[str, float] | None:
-        """CPU seconds so far of the server's main thread (for `lenbatch serve`, its event
-        loop: HTTP, JSON, tokenization, scheduling) and of its whole process; None where
-        /proc cannot tell."""
-        pid = self.proc.pid
-        loop = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
-        process = _cpu_seconds(f"/proc/{pid}/stat")
-        if loop is None or process is None:
-            return None
-        return {"loop_s": loop, "process_s": process}
-
-    def log_tail(self, n: int = 2000) -> str:
-        """The end of the server's output."""
-        try:
-            return self.log_path.read_bytes()[-n:].decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout_s: float = 300.0) -> float:
-        """Poll the target's health path until 200; returns seconds waited. Raises if the
-        process exits."""
-        t0 = time.monotonic()
-        with httpx.Client(base_url=self.url, trust_env=False, timeout=5.0) as c:
-            while time.monotonic() - t0 < timeout_s:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.target.name} exited with {self.proc.returncode} before it was "
-                        f"ready; its log ends:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if c.get(self.target.health_path).status_code == 200:
-                        return time.monotonic() - t0
-                time.sleep(0.25)
-        raise RuntimeError(f"{self.target.name} not ready after {timeout_s:g} s")
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the whole group; nothing it started is left running."""
-        self._stop_sampling.set()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout_s)
-        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, 0)  # anyone left in the group?
-            except ProcessLookupError:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            time.sleep(2.0)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
 
 
 @dataclass
@@ -403,7 +158,7 @@ def run_on_one_server(cfg: BenchConfig, target: Target, rates: Sequence[float]) 
                 )
             )
             cpu_after = server.cpu_seconds()
-            peak = max(server.peak_rss, _tree_rss(server.proc.pid))
+            peak = max(server.peak_rss, tree_rss(server.proc.pid))
             summary = summarize_replay(result, boundaries=cfg.boundaries, max_length=cfg.max_length)
             summary["server_reported_peak_rss_mb"] = summary["peak_memory_mb"]
             summary["peak_memory_mb"] = peak / 2**20 if peak else None

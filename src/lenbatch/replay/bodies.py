@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
+
+from lenbatch.plan.trace import IntArray
 
 __all__ = ["Bodies", "TextBuilder", "corpus_units", "load_tokenizer", "model_max_length"]
 
-IntArray = npt.NDArray[np.int64]
 
 _MAX_ROUNDS = 12  # redraws for windows whose re-tokenized length missed
 

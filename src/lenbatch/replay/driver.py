@@ -27,10 +27,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import numpy.typing as npt
 
 from lenbatch.plan.summary import OUTCOME_ERROR
-from lenbatch.plan.trace import Trace
+from lenbatch.plan.trace import FloatArray, IntArray, Trace
 from lenbatch.replay.endpoints import CallResult, Endpoint
 from lenbatch.replay.results import ReplayResult, summarize_replay
 
@@ -42,9 +41,6 @@ __all__ = [
     "replay",
     "summarize_replay",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)

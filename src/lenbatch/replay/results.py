@@ -10,14 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from lenbatch.plan.summary import OUTCOME_OK, summarize
+from lenbatch.plan.trace import FloatArray, IntArray
 
 __all__ = ["ReplayResult", "summarize_replay"]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass

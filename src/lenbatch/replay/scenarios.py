@@ -31,12 +31,11 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
-from lenbatch.plan.trace import Trace
+from lenbatch.plan.trace import IntArray, Trace
 from lenbatch.replay.bodies import TextBuilder
 
 __all__ = ["SCENARIOS", "LengthPools", "build_scenario", "pools_from_builder"]
 
-IntArray = npt.NDArray[np.int64]
 LengthPools = Mapping[str, IntArray]
 
 SCENARIOS = ("bursts", "long-heavy", "mixed", "swing", "onoff", "drift", "bimodal")

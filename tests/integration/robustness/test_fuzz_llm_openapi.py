@@ -30,6 +30,8 @@ from lenbatch.generate.api import create_llm_app
 from lenbatch.runners.base import ModelInfo
 from lenbatch.serving.http import DrainingServer
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES_PER_OPERATION = 120
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 SEEN: Counter[str] = Counter()

@@ -23,6 +23,8 @@ from lenbatch.embed.api import create_app
 from lenbatch.embed.engine import Engine
 from lenbatch.runners.fake import FakeRunner
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES_PER_OPERATION = 150
 SEEN: Counter[str] = Counter()
 

@@ -25,6 +25,8 @@ from lenbatch.runners.fake import FakeRunner
 from lenbatch.runners.faulty import FaultyRunner
 from lenbatch.serving.lengthlog import LengthLog
 
+pytestmark = pytest.mark.slow
+
 CANARY = "zq9CANARYx7"
 FAKE = FakeRunner()
 

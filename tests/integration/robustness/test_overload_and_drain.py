@@ -13,9 +13,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 from robust_servers import Outcome, burst, serve_process
 
 from lenbatch.serving.metrics import percentile
+
+pytestmark = pytest.mark.slow
 
 BATCH_MS = 200
 MAX_BATCH = 4

@@ -6,7 +6,7 @@ with exact pins in one pip command (torch==2.13.0 among them wherever the peer t
 pip never pulls a CUDA build), then a stamp file records the pins, the install time, the disk
 size and the installed versions. A venv whose stamp does not match the pins is installed again.
 
-A peer is launched the same way as lenbatch's own servers (`replay.bench.ServerProcess`: its
+A peer is launched the same way as lenbatch's own servers (`replay.process.ServerProcess`: its
 own process group, 127.0.0.1, health-checked, stopped by its PID), offline and with telemetry
 off (`OFFLINE_ENV`), and its versions, flags and environment go into the report.
 """

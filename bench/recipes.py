@@ -1,0 +1,504 @@
+"""The benchmark recipes `bench/run.py` runs: one function each, from its flags to its steps.
+
+A recipe builds the command lines that made a committed result (`lenbatch bench`, `lenbatch
+replay` or a script of this folder), with that result's settings as its defaults; its flags
+change them. Script recipes run `bench/SCRIPT` with the committed result's arguments, or with
+the arguments given after `--` instead. bench/README.md says what each one measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tables
+from steps import ROOT, Action, Command, ServeDuring, Step, lenbatch, script
+
+__all__ = ["LOCKED", "RECIPES", "Recipe"]
+
+Build = Callable[[argparse.Namespace], list[Step]]
+Options = Callable[[argparse.ArgumentParser], object]
+
+DEV_CONFIG = "configs/minilm-azure-conv.toml"  # `make serve`'s buckets and thread split
+COST = "bench/results/cost_minilm_cpu.json"  # the MiniLM profile the committed results used
+# The dev trace mapped to MiniLM (docs/traffic.md says why), and to SmolLM2 completions.
+MINILM_TRACE = ("azure-conv", "--length-scale", "0.05", "--max-length", "256")
+SMOLLM2_TRACE = ("azure-conv", "--endpoint", "completions", "--length-scale", "0.1",
+                 "--max-length", "400", "--output-scale", "0.25", "--max-output", "64")  # fmt: skip
+LOCKED = "exclusive CPU lock (bench/run.py): no other benchmark during the run"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named benchmark: its flags and the function that turns them into steps."""
+
+    name: str
+    build: Build
+    options: Sequence[Options]
+    script: str | None = None  # the bench/ script a script recipe runs
+    defaults: tuple[str, ...] = ()  # a script recipe's arguments when none follow `--`
+
+    @property
+    def summary(self) -> str:
+        """The first line of the build function's docstring."""
+        return (self.build.__doc__ or "").strip().splitlines()[0]
+
+
+RECIPES: dict[str, Recipe] = {}
+
+
+def recipe(name: str, *options: Options) -> Callable[[Build], Build]:
+    """Register the decorated function as recipe `name`, with `options` adding its flags."""
+
+    def register(build: Build) -> Build:
+        RECIPES[name] = Recipe(name, build, options)
+        return build
+
+    return register
+
+
+def script_recipe(name: str, file: str, summary: str, *defaults: str) -> None:
+    """Register recipe `name`: `python bench/FILE` with `defaults` (the arguments of the
+    committed result), or with the arguments after `--` instead."""
+
+    def build(args: argparse.Namespace) -> list[Step]:
+        return [script(file, *(args.script_args or defaults))]
+
+    build.__doc__ = summary
+    RECIPES[name] = Recipe(name, build, (), script=file, defaults=defaults)
+
+
+def opt(flag: str, default: str, help: str) -> Options:
+    """A flag whose value goes into a command line as text, its help ending with the default."""
+    return lambda p: p.add_argument(flag, default=default, help=f"{help} (default {default})")
+
+
+def out(default: str) -> Options:
+    """`--out`: where the recipe writes."""
+    return opt("--out", default, "output folder, from the repository root")
+
+
+def conditions(p: argparse.ArgumentParser) -> None:
+    """`--conditions`: the note on the machine's state every `lenbatch bench` report carries."""
+    p.add_argument("--conditions", default=LOCKED, help="a note on the conditions, in the report")
+
+
+def tail(args: argparse.Namespace, title: str, report: str) -> tuple[str, ...]:
+    """The arguments every `lenbatch bench` command of a recipe ends with."""
+    return ("--no-progress", "--conditions", args.conditions, "--title", title, "--report", report)
+
+
+def peer_args(peers: str) -> tuple[str, ...]:
+    """`--peer P1,P2`, or nothing for `none`."""
+    return () if peers in ("", "none") else ("--peer", peers)
+
+
+def show_table(kind: str, where: str, make: Callable[[], str]) -> Action:
+    """Print a table of `bench/tables.py` after the runs (`bench/run.py table KIND WHERE`)."""
+    return Action(f"bench/run.py table {kind} {where}", lambda env: print(make()))
+
+
+# --- embeddings against peers -------------------------------------------------------------
+
+
+@recipe(
+    "headline",
+    out("bench/results/headline"),
+    opt("--sweep", "16,32,48,64", "rate multipliers, each replayed against every server"),
+    opt("--strategies", "adaptive,bucketed", "lenbatch strategies"),
+    opt("--peers", "vllm-allcores,vllm-bf16,infinity", "peers, or 'none' for lenbatch alone"),
+    conditions,
+)
+def headline(args: argparse.Namespace) -> list[Step]:
+    """The README's headline: lenbatch as `make serve` runs it against vLLM and Infinity."""
+    peers = peer_args(args.peers)
+    title = "Headline: lenbatch (make serve) " + (
+        "against vLLM and Infinity on the dev trace" if peers else "on the dev trace, no peers"
+    )
+    serve = f"--config {DEV_CONFIG} --slo-ms 1000 --cost {COST}"
+    cmd = lenbatch("bench", *MINILM_TRACE, "--start", "600", "--span", "120",
+                   "--rate-sweep", args.sweep, "--keep-server", "--serve-args", serve,
+                   "--strategies", args.strategies, *peers,
+                   *tail(args, title, args.out))  # fmt: skip
+    return [cmd]
+
+
+@recipe(
+    "peers",
+    out("bench/results/peers"),
+    opt("--parts", "emb,llm", "emb: MiniLM against every peer; llm: SmolLM2 completions"),
+    opt("--start", "600", "trace window start, seconds"),
+    opt("--span", "120", "emb: seconds of trace time replayed at every rate"),
+    opt("--sweep", "4,16,32", "emb: rate multipliers"),
+    opt("--cost", COST, "emb: cost model of the simulator's predictions and the oracle"),
+    opt("--llm-span", "5", "llm: seconds of trace time"),
+    opt("--llm-rate", "0.25", "llm: rate multiplier"),
+    conditions,
+)
+def peers(args: argparse.Namespace) -> list[Step]:
+    """lenbatch against Infinity, vLLM, llama.cpp and the naive server (peers.md)."""
+    steps: list[Step] = []
+    for part in args.parts.split(","):
+        if part == "emb":
+            title = "Dev trace on MiniLM: lenbatch, Infinity, vLLM and the naive server"
+            cmd = lenbatch("bench", *MINILM_TRACE, "--start", args.start, "--span", args.span,
+                           "--rate-sweep", args.sweep, "--keep-server",
+                           "--serve-args", f"--config {DEV_CONFIG}", "--cost", args.cost,
+                           "--strategies", "bucketed,fifo",
+                           "--peer", "infinity,vllm,vllm-allcores,naive",
+                           *tail(args, title, f"{args.out}/embeddings"))  # fmt: skip
+        elif part == "llm":
+            title = "SmolLM2-135M completions at a fixed load: lenbatch, vLLM, llama.cpp"
+            cmd = lenbatch("bench", "azure-conv", "--endpoint", "completions",
+                           "--model", "smollm2", "--length-scale", "0.1", "--max-length", "256",
+                           "--output-scale", "0.1", "--max-output", "24",
+                           "--start", args.start, "--span", args.llm_span,
+                           "--rate-scale", args.llm_rate, "--strategies", "bucketed",
+                           "--serve-args", "--decode-mode continuous",
+                           "--max-batch", "16", "--max-wait-ms", "20",
+                           "--peer", "vllm,llamacpp", "--timeout", "120",
+                           *tail(args, title, f"{args.out}/completions"))  # fmt: skip
+        else:
+            raise SystemExit(f"peers: unknown part {part!r}; choose from emb, llm")
+        steps.append(cmd)
+    return steps
+
+
+@recipe(
+    "replay-dev-trace",
+    out("bench/results/replay-dev-trace"),
+    opt("--rate", "3.5", "rate multiplier: above fifo's capacity, below bucketed's"),
+    opt("--duration", "60", "seconds of (scaled) traffic per run"),
+    opt("--start", "600", "trace window start, seconds"),
+    opt("--sweep", "0.3,1", "fractions of --rate"),
+    opt("--cost", COST, "cost model of the simulator's predictions"),
+    conditions,
+)
+def replay_dev_trace(args: argparse.Namespace) -> list[Step]:
+    """Every strategy, the naive and Ray peers, and the simulator's prediction (docs/replay.md)."""
+    title = "Dev trace on MiniLM: every strategy and two peers in one run"
+    cmd = lenbatch("bench", *MINILM_TRACE, "--rate-scale", args.rate, "--start", args.start,
+                   "--duration", args.duration, "--rate-sweep", args.sweep,
+                   "--strategies", "static,fifo,sorted,bucketed", "--peer", "naive,ray",
+                   "--serve-args", f"--config {DEV_CONFIG}", "--cost", args.cost,
+                   *tail(args, title, args.out))  # fmt: skip
+    return [cmd]
+
+
+@recipe(
+    "ray-scaleout",
+    out("bench/results/ray-scaleout"),
+    opt("--rate", "1", "rate multiplier of the trace"),
+    opt("--sweep", "3,5,7", "multipliers of --rate"),
+    opt("--duration", "120", "seconds of trace at x1 (~550 requests), replayed at each rate"),
+    opt("--start", "600", "trace window start, seconds"),
+    opt("--config", DEV_CONFIG, "config of every server (the Ray peers read LENBATCH_CONFIG)"),
+    conditions,
+)
+def ray_scaleout(args: argparse.Namespace) -> list[Step]:
+    """lenbatch on Ray Serve, length-aware and default routing, vs one server (ray_scaleout.md)."""
+    title = "lenbatch on Ray Serve: 2 replicas, length-aware vs default routing, vs one server"
+    # Ray starts its workers at nice 15 by default; at 0 like the single server, a niced
+    # background job takes CPU from both sides alike.
+    env = {"LENBATCH_CONFIG": args.config, "RAY_worker_niceness": "0"}
+    cmd = lenbatch("bench", *MINILM_TRACE, "--rate-scale", args.rate, "--start", args.start,
+                   "--duration", args.duration, "--rate-sweep", args.sweep,
+                   "--strategies", "bucketed", "--peer", "ray-lenbatch,ray-lenbatch-p2c",
+                   "--serve-args", f"--config {args.config}", *tail(args, title, args.out),
+                   env=env)  # fmt: skip
+    table = show_table(
+        "ray-scaleout", args.out, lambda: tables.ray_scaleout_table([ROOT / args.out])
+    )
+    return [cmd, table]
+
+
+# --- strategy adaptive, live --------------------------------------------------------------
+
+# The best fixed bucketed config the simulator's grid found per scenario (bench/adaptive_sim.py),
+# as (max wait ms, max batch): what the `-best` reports serve.
+BEST_FIXED = {"onoff": (5.0, 16), "drift": (0.0, 8)}
+# (report, scenario, reference rate, strategies, peers)
+AdaptiveRuns = Sequence[tuple[str, str, float, str, str]]
+ADAPTIVE_LIVE: AdaptiveRuns = (
+    ("onoff", "onoff", 20.0, "fifo,bucketed,adaptive", "naive"),
+    ("onoff-best", "onoff", 20.0, "bucketed", ""),
+    ("drift", "drift", 20.0, "fifo,bucketed,adaptive", "naive"),
+    ("drift-best", "drift", 20.0, "bucketed", ""),
+    ("mixed", "mixed", 10.0, "bucketed,adaptive", ""),
+)
+
+
+def adaptive_steps(args: argparse.Namespace, runs: AdaptiveRuns) -> list[Step]:
+    """One `lenbatch bench --scenario` per run (1 s SLO, the MiniLM cost model), then the
+    goodput table with the simulator's predictions."""
+    steps: list[Step] = []
+    reports = []
+    for report, scenario, rate, strategies, peers in runs:
+        serve = f"--slo-ms 1000 --cost {COST}"
+        best = BEST_FIXED[scenario] if report.endswith("-best") else None
+        if best is not None:
+            serve += f" --max-batch {best[1]} --max-wait-ms {best[0]:g}"
+        folder = f"{args.out}/{report}"
+        cmd = lenbatch("bench", "--scenario", scenario, "--rate", f"{rate:g}",
+                       "--duration", args.duration, "--max-length", "256", "--clients", "16",
+                       "--strategies", strategies, *peer_args(peers), "--serve-args", serve,
+                       "--no-progress", "--conditions", args.conditions,
+                       "--report", folder)  # fmt: skip
+        steps.append(cmd)
+        run = tables.AdaptiveRun(scenario, rate, float(args.duration), ROOT / folder, best)
+        reports.append(run)
+    specs = " ".join(r.spec() for r in reports)
+    steps.append(
+        show_table(
+            "adaptive-live", specs, lambda: tables.adaptive_live_table(reports, ROOT / COST, 1e3)
+        )
+    )
+    return steps
+
+
+@recipe(
+    "adaptive-live",
+    out("bench/results/adaptive-live"),
+    opt("--duration", "25", "seconds of each scenario"),
+    conditions,
+)
+def adaptive_live(args: argparse.Namespace) -> list[Step]:
+    """adaptive against fifo, bucketed, the best fixed config and naive, live (adaptive.md)."""
+    return adaptive_steps(args, ADAPTIVE_LIVE)
+
+
+@recipe(
+    "adaptive-overload",
+    out("bench/results/adaptive-live"),
+    opt("--rate", "50", "reference rate, req/s: past this CPU's capacity"),
+    opt("--duration", "25", "seconds of each scenario"),
+    conditions,
+)
+def adaptive_overload(args: argparse.Namespace) -> list[Step]:
+    """adaptive against bucketed and naive past the CPU's capacity, live (adaptive.md)."""
+    rate = float(args.rate)
+    runs = [(f"overload-{s}", s, rate, "bucketed,adaptive", "naive") for s in ("onoff", "drift")]
+    return adaptive_steps(args, runs)
+
+
+# --- causal-LM decoding -------------------------------------------------------------------
+
+
+@recipe(
+    "llm-decode-peers",
+    out("bench/results/llm-decode-peers"),
+    opt("--span", "30", "seconds of trace time from t=600 s"),
+    opt("--sweep", "0.15,0.3", "rate multipliers: a light load and one near capacity"),
+    opt("--peers", "vllm-allcores,llamacpp", "peers, or 'none'"),
+    conditions,
+)
+def llm_decode_peers(args: argparse.Namespace) -> list[Step]:
+    """SmolLM2-135M completions: lenbatch, vLLM and llama.cpp in one run (llm_decode_cpu.md)."""
+    title = "SmolLM2-135M completions, the decode mapping: lenbatch, vLLM and llama.cpp"
+    cmd = lenbatch("bench", *SMOLLM2_TRACE, "--model", "smollm2", "--start", "600",
+                   "--span", args.span, "--rate-sweep", args.sweep, "--keep-server",
+                   "--strategies", "bucketed", *peer_args(args.peers), "--timeout", "120",
+                   *tail(args, title, args.out))  # fmt: skip
+    return [cmd]
+
+
+def tokenizer_folder(model: str) -> tuple[str, list[Step]]:
+    """What `lenbatch replay --model` sizes the bodies with, and the step that makes it: for
+    SmolLM2, which ships as GGUF only, its tokenizer saved as a folder (once)."""
+    folder = "out/smollm2-tokenizer"
+    if model != "smollm2" or (ROOT / folder / "config.json").exists():
+        return (model if model != "smollm2" else folder), []
+    code = (
+        "from transformers import AutoConfig, AutoTokenizer\n"
+        "from lenbatch.runners.causal import SMOLLM2_GGUF as G, smollm2_folder as f\n"
+        f"AutoTokenizer.from_pretrained(f(), gguf_file=G).save_pretrained({folder!r})\n"
+        f"AutoConfig.from_pretrained(f(), gguf_file=G).save_pretrained({folder!r})"
+    )
+    return folder, [Command("python", ("-c", code))]
+
+
+@recipe(
+    "llm-decode-replay",
+    out("bench/results/llm-decode-replay"),
+    opt("--model", "smollm2", "served model"),
+    opt("--duration", "60", "seconds of traffic from t=600 s"),
+    lambda p: p.add_argument(
+        "--serve-src",
+        metavar="DIR",
+        help="the servers (not the driver) run the lenbatch of this src folder: a 'before' tree",
+    ),
+    lambda p: p.add_argument("rate", help="rate multiplier of the trace, e.g. 0.3"),
+    lambda p: p.add_argument(
+        "labels", nargs="+", metavar="LABEL[:SERVE_ARGS]", help="one server per label"
+    ),
+)
+def llm_decode_replay(args: argparse.Namespace) -> list[Step]:
+    """SmolLM2-135M completions replayed against one server per label (llm_decode_cpu.md)."""
+    tok, steps = tokenizer_folder(args.model)
+    made = []
+    for spec in args.labels:
+        label, _, serve_args = spec.partition(":")
+        stem = f"{args.out}/{label}-x{args.rate}"
+        serve_env = {"PYTHONPATH": str(Path(args.serve_src).resolve())} if args.serve_src else None
+        serve = lenbatch("serve", "--model", args.model, "--log-level", "warning",
+                         *shlex.split(serve_args), env=serve_env)  # fmt: skip
+        replay = lenbatch("replay", *SMOLLM2_TRACE, "--model", tok, "--served-model", args.model,
+                          "--rate-scale", args.rate, "--start", "600", "--duration", args.duration,
+                          "--timeout", "120", "--no-progress", "--url", "{url}",
+                          "--json", f"{stem}.json")  # fmt: skip
+        log, stats = ROOT / f"{stem}.server.log", ROOT / f"{stem}.stats.json"
+        steps.append(ServeDuring(serve, (replay,), log, stats))
+        made.append(ROOT / f"{stem}.json")
+    where = " ".join(str(p.relative_to(ROOT)) for p in made)
+    steps.append(show_table("llm-decode", where, lambda: tables.llm_decode_table(made)))
+    return steps
+
+
+# --- runners: dtype, packing, threads, live -----------------------------------------------
+
+# One torch thread and two batches in flight (the split `make serve` runs).
+SPLIT = {"LENBATCH_MODEL__TORCH_THREADS": "1", "LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES": "2"}
+RUNNERS_TARGETS = "light,fp32-padded,naive,bf16-padded,bf16-packed,bf16-packed-split"
+
+
+@recipe(
+    "runners-live",
+    out("bench/results/runners-live"),
+    opt("--targets", RUNNERS_TARGETS, "targets; also before, saturation, saturation-split"),
+    opt("--duration", "20", "light load: seconds of traffic at x1.5"),
+    opt("--load-duration", "12", "load: seconds of traffic at the target's highest rate"),
+    opt("--sat-duration", "10", "saturation: seconds of traffic at x28"),
+    opt("--start", "600", "trace window start, seconds"),
+    opt("--cost", COST, "cost model of the fp32 light run's predictions"),
+    conditions,
+)
+def runners_live(args: argparse.Namespace) -> list[Step]:
+    """bucketed in fp32/bf16, padded/packed, and naive, light to saturation (runners_cpu.md)."""
+
+    def bench(name: str, sweep: str, *more: str, env: dict[str, str] | None = None) -> Command:
+        title, report = f"Dev trace on MiniLM: {name}", f"{args.out}/{name}"
+        return lenbatch("bench", *MINILM_TRACE, "--start", args.start, "--rate-sweep", sweep,
+                        *more, *tail(args, title, report), env=env)  # fmt: skip
+
+    def bucketed(dtype: str = "", execution: str = "") -> tuple[str, ...]:
+        flags = f"--config {DEV_CONFIG}"
+        if dtype:
+            flags += f" --dtype {dtype} --execution {execution}"
+        return ("--strategies", "bucketed", "--serve-args", flags)
+
+    cost = ("--cost", args.cost)
+    naive = ("--strategies", "", "--peer", "naive")
+    # Light load: the first --duration s at x1.5. Load: the first --load-duration s at the
+    # target's highest rate, replayed at fractions of it (the same requests at every point).
+    light = ("--rate-scale", "1.5", "--duration", args.duration)
+    saturate = ("--rate-scale", "28", "--duration", args.sat_duration)
+
+    def load(top: str) -> tuple[str, ...]:
+        return ("--rate-scale", top, "--duration", args.load_duration)
+
+    bf16_packed = bucketed("bfloat16", "packed")
+    split = "saturation/bfloat16-packed-1thread-2batches"
+    split_bf16_packed = bench(split, "1", *saturate, *bf16_packed, env=SPLIT)
+    by_target: dict[str, list[Step]] = {
+        # a tree older than --dtype/--execution, run with --rev (e.g. 427fde8)
+        "before": [bench("light/before", "1", *light, *bucketed(), *cost, "--peer", "")],
+        "light": [
+            bench("light/fp32-padded", "1", *light, *bucketed("float32", "padded"), *cost),
+            bench("light/naive", "1", *light, *naive),
+            bench("light/bf16-padded", "1", *light, *bucketed("bfloat16", "padded")),
+            bench("light/bf16-packed", "1", *light, *bucketed("bfloat16", "packed")),
+        ],
+        "fp32-padded": [
+            bench("load/fp32-padded", "0.714,1", *load("7"), *bucketed("float32", "padded"))
+        ],
+        "naive": [bench("load/naive", "0.7,1", *load("5"), *naive)],
+        "bf16-padded": [
+            bench("load/bf16-padded", "0.5,0.714,1", *load("14"), *bucketed("bfloat16", "padded"))
+        ],
+        "bf16-packed": [
+            bench("load/bf16-packed", "0.5,0.714,1", *load("14"), *bucketed("bfloat16", "packed"))
+        ],
+        "bf16-packed-split": [
+            bench("load/bf16-packed-split", "1", *load("14"), *bf16_packed, env=SPLIT)
+        ],
+        "saturation": [
+            *(
+                bench(f"saturation/{d}-{e}", "1", *saturate, *bucketed(d, e))
+                for d, e in (("float32", "padded"), ("bfloat16", "padded"), ("bfloat16", "packed"))
+            ),
+            split_bf16_packed,
+        ],
+        "saturation-split": [split_bf16_packed],
+    }
+    steps: list[Step] = []
+    for target in args.targets.split(","):
+        if target not in by_target:
+            known = ", ".join(by_target)
+            raise SystemExit(f"runners-live: unknown target {target!r}; choose from {known}")
+        steps += by_target[target]
+    table = show_table("runners-live", args.out, lambda: tables.runners_live_table(ROOT / args.out))
+    return [*steps, table]
+
+
+# --- scripts ------------------------------------------------------------------------------
+
+script_recipe(
+    "profile-minilm", "profile_minilm.py",
+    "MiniLM latency and memory over batch x length, and its cost model (profile_minilm_cpu.md).",
+    "--conditions", LOCKED,
+)  # fmt: skip
+script_recipe(
+    "runners", "bench_runners.py",
+    "MiniLM forward per dtype and backend, padded and packed, side by side (runners_cpu.md).",
+    "--options", "fp32,bf16-cast,bf16-autocast,compile-fp32,compile-bf16,packed-fp32,packed-bf16",
+)  # fmt: skip
+script_recipe(
+    "scheduler", "bench_scheduler.py",
+    "Cost of the pure scheduler per request, streaming and backlogged (scheduler.md).",
+    "--requests", "20000", "--runs", "7",
+)  # fmt: skip
+script_recipe(
+    "sim-speed", "bench_sim_speed.py",
+    "Requests per second of wall time the simulator replays (sim_speed.md).",
+    "--repeat", "5", "--runs", "3", "--slices", "100",
+)  # fmt: skip
+script_recipe(
+    "adaptive-sim", "adaptive_sim.py",
+    "Simulated scenarios: adaptive against fifo, bucketed, the best fixed one (adaptive_sim.md).",
+    "--rate", "20", "--duration", "120", "--scenarios", "mixed,swing,onoff,drift,bimodal,bursts",
+    "--out", "bench/results/adaptive_sim.md",
+)  # fmt: skip
+script_recipe(
+    "ray-overhead", "ray_overhead.py",
+    "Ray's cost per request and in memory: one server against the Ray app (ray_scaleout.md).",
+    "--n", "300",
+)  # fmt: skip
+script_recipe(
+    "soak", "soak.py",
+    "The dev trace against one server for a long time, watching its memory (soak.md).",
+    "--minutes", "10", "--rate-scale", "2", "--out", "bench/results/soak.md",
+)  # fmt: skip
+script_recipe(
+    "fuzz", "fuzz_openapi.py",
+    "Schemathesis against a live server; --llm: the generation routes (fuzz_openapi*.md).",
+    "--examples", "1000", "--seed", "1", "--out", "bench/results/fuzz_openapi.md",
+)  # fmt: skip
+script_recipe(
+    "profile-decode", "profile_decode.py",
+    "Where a decode step's time goes: forward, cache, sampling, Python (llm_decode_cpu.md).",
+    "--rows", "16", "--prompt-len", "160", "--steps", "48",
+)  # fmt: skip
+script_recipe(
+    "compile-probe", "compile_probe.py",
+    "torch.compile of the static decode shapes: compile time vs step time (llm_decode_cpu.md).",
+    "--rows", "16", "--window", "200", "--width", "256",
+)  # fmt: skip
+script_recipe(
+    "bf16-agreement", "llm_bf16_agreement.py",
+    "Batched greedy decoding in bf16 against fp32 generate() (llm_bf16_agreement.md).",
+    "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",
+    "--out", "bench/results/llm_bf16_agreement.md",
+)  # fmt: skip
