@@ -29,8 +29,8 @@ BAD: list[tuple[Any, str]] = [
 def _front_doors() -> list[Any]:
     runner = FakeRunner(max_length=64)
     engine = Engine(runner, BatchingConfig(boundaries=(16,)))
-    front = Frontend(None, RoutingBoard(1), FakeRunner(max_length=64), runner.info, [16])
-    return [engine._token_ids, front._token_ids]
+    front = Frontend(None, RoutingBoard(1), FakeRunner(max_length=64).tokenize, runner.info, [16])
+    return [engine.inputs.token_ids, front.inputs.token_ids]
 
 
 @pytest.mark.parametrize(("inputs", "message"), BAD)

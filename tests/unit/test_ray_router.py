@@ -139,6 +139,7 @@ def test_the_ingress_fits_the_cost_model_on_the_replicas_batches() -> None:
     and a refresh with nothing new adds nothing."""
     from lenbatch.core.costfit import CostCoefficients
     from lenbatch.runners.base import ModelInfo
+    from lenbatch.runners.fake import FakeRunner
     from lenbatch.scaleout.frontend import Frontend
 
     true = CostCoefficients(a=0.03, b=2e-4)
@@ -146,7 +147,7 @@ def test_the_ingress_fits_the_cost_model_on_the_replicas_batches() -> None:
     board = RoutingBoard(2)
     board.set_replicas(["r1", "r2"])
     info = ModelInfo("m", 256, 0, "right", False, 1000, 8)
-    frontend = Frontend(handle, board, None, info, [16, 64], refresh_s=0)
+    frontend = Frontend(handle, board, FakeRunner().tokenize, info, [16, 64], refresh_s=0)
 
     def replica(k: int) -> dict[str, Any]:
         # k rounds of batches: lane <=16 runs batches of 8, lane <=64 of 4, overlong of 1.

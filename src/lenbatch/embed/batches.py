@@ -2,46 +2,64 @@
 
 `BatchRunner.run` collates a batch as soon as the scheduler emits it (prefetch): padded to its
 longest member, or packed end to end when the runner runs padding-free batches
-(`PackedEmbeddingRunner`, e.g. `runners.packed`); then it waits for one of the engine's runner
-slots, drops members cancelled or expired meanwhile (they cost nothing),
-runs the rest in a worker thread and answers each through the engine's `Ledger`.
+(`PackedEmbeddingRunner`, e.g. `runners.packed`); then it waits for one of its runner slots,
+drops members cancelled or expired meanwhile (they cost nothing) and runs the rest in a worker
+thread. It knows nothing of the engine that owns the requests: what it needs to ask mid-run
+(has the runner been declared failed? is this request still wanted?) comes in as callables, and
+what happens comes out as plain data, one event at a time (`BatchEvent`), for the engine to
+apply through its ledger, metrics, batch caps and cost model. Events are yielded as they
+happen, so each model call's requests are answered as soon as that call returns, not when a
+bisection ends.
 
 When the model fails:
 
 * a batch that raises is bisected, so a poison input fails alone (500 `model_error`) and the
   rest of its batch succeeds;
 * a batch that runs out of memory (`MemoryError`, torch's `OutOfMemoryError`) is split and the
-  halves retried, and its lane's batch cap is halved for a cool-down (`BatchCaps`); an input
-  that runs out of memory alone is answered 503 `out_of_memory`;
+  halves retried, and its lane's batch cap is to be halved for a cool-down (`Failed` with kind
+  `oom`); an input that runs out of memory alone is answered 503 `out_of_memory`;
 * a runner that raises `RunnerCrashed`, that keeps failing and then fails a known-good probe
-  input, or whose batch runs past `batch_timeout_s`, is declared crashed (`Engine.crash`): the
-  engine turns not-ready and answers every waiting request 503.
+  input, or whose batch runs past `batch_timeout_s`, is reported crashed (`Crashed`): the engine
+  turns not-ready and answers every waiting request 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from lenbatch.config import RecoveryConfig
 from lenbatch.core.batch import Batch
+from lenbatch.core.clock import Clock
 from lenbatch.core.collate import Collated, Packed, collate, pack
-from lenbatch.core.errors import ModelFailed, OutOfMemory, RunnerCrashed, is_out_of_memory
+from lenbatch.core.errors import (
+    LenbatchError,
+    ModelFailed,
+    OutOfMemory,
+    RunnerCrashed,
+    is_out_of_memory,
+)
 from lenbatch.core.request import Request
-from lenbatch.runners.base import PackedEmbeddingRunner
-from lenbatch.serving.ledger import Ticket
-from lenbatch.serving.lifecycle import EngineState
-from lenbatch.serving.messages import Vector
+from lenbatch.runners.base import EmbeddingRunner, ModelInfo, PackedEmbeddingRunner
 
-if TYPE_CHECKING:
-    from lenbatch.embed.engine import Engine
-
-__all__ = ["BatchRunner", "Prepared"]
+__all__ = [
+    "BatchEvent",
+    "BatchRunner",
+    "Crashed",
+    "Expired",
+    "Failed",
+    "Prepared",
+    "Refused",
+    "Returned",
+    "Started",
+]
 
 Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
 
@@ -50,49 +68,145 @@ log = logging.getLogger("lenbatch.embed.batches")
 _PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
 
 
-class BatchRunner:
-    """Runs the batches of one `Engine` on its runner, `slots` at a time, isolating failures."""
+# ---------------------------------------------------------------------- what a batch comes to
 
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, slots: int) -> None:
-        self.engine = engine
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """Members whose deadline passed while they waited for a runner slot: they never ran."""
+
+    requests: list[Request[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Members that cannot run: the runner had been declared failed before their turn."""
+
+    requests: list[Request[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A model call begins on `requests` at clock time `at`: from now on they are running."""
+
+    requests: list[Request[Any]]
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """A model call returned: one vector per request, in order, and the call's figures."""
+
+    lane: int
+    requests: list[Request[Any]]
+    vectors: npt.NDArray[np.float32]
+    started: float  # clock time the call began
+    exec_s: float  # seconds it took
+    real_tokens: int
+    padded_tokens: int  # tokens the model computed (a packed batch computes its real ones)
+    width: int  # the longest row, as the runner saw it
+    packed: bool
+
+    @property
+    def size(self) -> int:
+        """Requests in the call."""
+        return len(self.requests)
+
+    @property
+    def queue_waits(self) -> list[float]:
+        """Seconds each request waited from arrival until the call began."""
+        return [self.started - r.arrival for r in self.requests]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A model call of `size` requests failed: out of memory (`oom`: the lane's batch cap is
+    to be lowered below `size`) or an error. `errors` are the requests that failed alone, with
+    the error each earns; a larger call is split and its halves' events follow."""
+
+    lane: int
+    kind: Literal["oom", "error"]
+    size: int
+    width: int
+    errors: list[tuple[Request[Any], LenbatchError]]
+
+
+@dataclass(frozen=True, slots=True)
+class Crashed:
+    """The runner is unusable (`reason`, safe to show): every waiting request is answered 503,
+    `requests` (the call in flight) among them."""
+
+    lane: int
+    reason: str
+    requests: list[Request[Any]]
+
+
+BatchEvent = Expired | Refused | Started | Returned | Failed | Crashed
+"""What running a batch comes to, in the order it happens."""
+
+
+# ---------------------------------------------------------------------- the runner's side
+
+
+class BatchRunner:
+    """Runs batches on one `EmbeddingRunner`, `slots` at a time, isolating failures."""
+
+    def __init__(
+        self,
+        runner: EmbeddingRunner,
+        info: ModelInfo,
+        executor: ThreadPoolExecutor,
+        slots: int,
+        recovery: RecoveryConfig,
+        clock: Clock,
+    ) -> None:
+        self.runner = runner
+        self.info = info
         self.executor = executor
         self.slots = asyncio.Semaphore(slots)
+        self.recovery = recovery
+        self.clock = clock
         self.failures_in_row = 0  # failed model calls (not out-of-memory) since a success
-        runner = engine.runner
         self.packed_runner = runner if isinstance(runner, PackedEmbeddingRunner) else None
 
-    async def run(self, batch: Batch) -> None:
-        """Run `batch` once a runner slot is free and answer each of its requests."""
-        e = self.engine
-        pad_to = e.cfg.lanes[batch.lane].pad_to
-        try:
-            # Prepared while an earlier batch may still be running (prefetch).
-            prepared = self.collate(batch.requests, pad_to)
-            async with self.slots:
-                if e.state is EngineState.FAILED:
-                    for r in batch.requests:
-                        e.ledger.fail(r.handle, e.refusal())
-                    return
-                now = e.clock.now()
-                live = []
-                for r in batch.requests:
-                    if r.handle.finished:
-                        continue  # cancelled or expired while waiting: costs nothing
-                    if r.deadline is not None and r.deadline <= now:
-                        e.ledger.expire(r.handle)
-                        continue
-                    live.append(r)
-                if not live:
-                    return
-                if len(live) != len(batch.requests):
-                    prepared = self.collate(live, pad_to)
-                await self._execute(batch.lane, live, prepared, pad_to)
-        except Exception:  # a bug above the runner: never leave a request hanging
-            log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
-            for r in batch.requests:
-                e.ledger.fail(r.handle, ModelFailed("internal error while running this batch"))
+    async def run(
+        self,
+        batch: Batch,
+        pad_to: int | None,
+        *,
+        failed: Callable[[], bool],
+        wanted: Callable[[Request[Any]], bool],
+    ) -> AsyncGenerator[BatchEvent, None]:
+        """Run `batch` once a runner slot is free; yields what happens as it happens.
 
-    def collate(self, requests: Sequence[Request[Ticket[Vector]]], pad_to: int | None) -> Prepared:
+        `failed()` says whether the runner has been declared failed (then nothing more runs);
+        `wanted(r)` whether request `r` still awaits its answer (not cancelled, not ended).
+        """
+        # Prepared while an earlier batch may still be running (prefetch).
+        prepared = self.collate(batch.requests, pad_to)
+        async with self.slots:
+            if failed():
+                yield Refused(list(batch.requests))
+                return
+            now = self.clock.now()
+            live, expired = [], []
+            for r in batch.requests:
+                if not wanted(r):
+                    continue  # cancelled or expired while waiting: costs nothing
+                if r.deadline is not None and r.deadline <= now:
+                    expired.append(r)
+                else:
+                    live.append(r)
+            if expired:
+                yield Expired(expired)
+            if not live:
+                return
+            if len(live) != len(batch.requests):
+                prepared = self.collate(live, pad_to)
+            async for event in self._call(batch.lane, live, prepared, pad_to, failed, wanted):
+                yield event
+
+    def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Prepared:
         """The batch of `requests` as the runner takes it: packed if it runs padding-free
         (then a lane's fixed length means nothing: a packed batch computes its real tokens
         only), else padded (to `pad_to` if the lane fixes a length)."""
@@ -102,14 +216,10 @@ class BatchRunner:
         return self.pad(seqs, pad_to)
 
     def pad(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> Collated:
-        """Token-id lists padded for the engine's model."""
-        e = self.engine
+        """Token-id lists padded for the model."""
+        i = self.info
         return collate(
-            seqs,
-            e.info.pad_token_id,
-            e.info.padding_side,
-            pad_to=pad_to,
-            position_ids=e.info.needs_position_ids,
+            seqs, i.pad_token_id, i.padding_side, pad_to=pad_to, position_ids=i.needs_position_ids
         )
 
     def _model_call(self, batch: Prepared) -> npt.NDArray[np.float32]:
@@ -117,140 +227,114 @@ class BatchRunner:
         if isinstance(batch, Packed):
             assert self.packed_runner is not None
             return self.packed_runner.embed_packed(batch)
-        return self.engine.runner.embed(batch)
+        return self.runner.embed(batch)
 
-    async def _execute(
-        self, lane: int, live: list[Request[Ticket[Vector]]], batch: Prepared, pad_to: int | None
-    ) -> None:
-        e = self.engine
+    async def _call(
+        self,
+        lane: int,
+        live: list[Request[Any]],
+        batch: Prepared,
+        pad_to: int | None,
+        failed: Callable[[], bool],
+        wanted: Callable[[Request[Any]], bool],
+    ) -> AsyncGenerator[BatchEvent, None]:
+        """One model call on `live`, then what its failure leads to (split, bisect, crash)."""
         loop = asyncio.get_running_loop()
-        start = e.clock.now()
-        for r in live:
-            e.ledger.start(r.handle, start)
+        start = self.clock.now()
+        yield Started(live, start)
         running = loop.run_in_executor(self.executor, self._model_call, batch)
-        limit = e.recovery.batch_timeout_s
+        limit = self.recovery.batch_timeout_s
         if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
-            e.crash(lane, f"a batch of {len(live)} ran longer than {limit:g} s")
-            for r in live:
-                e.ledger.fail(r.handle, e.refusal())
+            yield Crashed(lane, f"a batch of {len(live)} ran longer than {limit:g} s", live)
             return
         try:
             out = await running
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # whatever the model raises, every request gets an answer
-            await self._on_batch_error(lane, live, batch, pad_to, exc)
+            events, split = await self._on_error(lane, live, batch.width, exc)
+            for event in events:
+                yield event
+            if not split:
+                return
+            mid = len(live) // 2
+            for half in (live[:mid], live[mid:]):
+                half = [r for r in half if wanted(r)]  # the first half's run may have taken
+                if not half:
+                    continue
+                if failed():
+                    yield Refused(half)
+                    continue
+                again = self._call(lane, half, self.collate(half, pad_to), pad_to, failed, wanted)
+                async for event in again:
+                    yield event
             return
-        end = e.clock.now()
+        end = self.clock.now()
         if out.shape[0] != len(live):
             raise RuntimeError(f"bug: runner returned {out.shape[0]} rows for {len(live)} inputs")
         self.failures_in_row = 0
-        exec_s = end - start
-        e.metrics.record_batch(
+        yield Returned(
             lane,
-            len(live),
+            live,
+            out,
+            start,
+            end - start,
             batch.real_tokens,
             batch.padded_tokens,
-            exec_s,
-            [start - r.arrival for r in live],
-        )
-        log.debug(
-            "batch lane=%s size=%d width=%d real=%d packed=%s exec_ms=%.1f",
-            e.lane_labels[lane],
-            len(live),
             batch.width,
-            batch.real_tokens,
             isinstance(batch, Packed),
-            exec_s * 1000,
         )
-        for r, vec in zip(live, out, strict=True):
-            r.handle.exec_s = exec_s
-            e.ledger.answer(r.handle, vec)
 
     # ------------------------------------------------------------------ when the model fails
 
-    async def _on_batch_error(
-        self,
-        lane: int,
-        live: list[Request[Ticket[Vector]]],
-        batch: Prepared,
-        pad_to: int | None,
-        exc: BaseException,
-    ) -> None:
-        """Isolate a failure: split on out-of-memory, bisect on an error, stop on a crash.
-
-        Only the exception's type is logged: its message may quote the input.
-        """
-        e = self.engine
+    async def _on_error(
+        self, lane: int, live: list[Request[Any]], width: int, exc: BaseException
+    ) -> tuple[list[BatchEvent], bool]:
+        """What a failed call comes to, and whether its halves are to run next (a split on
+        out-of-memory, a bisection on an error; a crash ends it). Only the exception's type is
+        logged: its message may quote the input."""
         kind = type(exc).__name__
         if isinstance(exc, RunnerCrashed) or not isinstance(exc, Exception):
-            e.crash(lane, f"the runner raised {kind}")
-            for r in live:
-                e.ledger.fail(r.handle, e.refusal())
-            return
-        width = batch.width
+            return [Crashed(lane, f"the runner raised {kind}", live)], False
         if is_out_of_memory(exc):
-            e.metrics.record_failure(lane, "oom")
-            cap = e.caps.lower(lane, len(live), e.clock.now())
-            e.apply_caps()
-            if len(live) == 1:
-                r = live[0]
-                log.warning("out of memory on request %s alone (%d tokens)", r.id, r.length)
-                msg = (
-                    f"out of memory running this input alone ({r.length} tokens, padded to "
-                    f"{width}); retry later or send a shorter input"
-                )
-                e.ledger.fail(r.handle, OutOfMemory(msg, retry_after=max(1.0, e.caps.cooldown_s)))
-                return
-            log.warning(
-                "out of memory on a batch of %d x %d tokens (%s): splitting; bucket %s capped "
-                "at %d for %g s",
-                len(live),
-                width,
-                kind,
-                e.lane_labels[lane],
-                cap,
-                e.caps.cooldown_s,
+            if len(live) > 1:
+                return [Failed(lane, "oom", len(live), width, [])], True
+            r = live[0]
+            log.warning("out of memory on request %s alone (%d tokens)", r.id, r.length)
+            msg = (
+                f"out of memory running this input alone ({r.length} tokens, padded to "
+                f"{width}); retry later or send a shorter input"
             )
-        else:
-            e.metrics.record_failure(lane, "error")
-            self.failures_in_row += 1
-            if self.failures_in_row >= e.recovery.probe_after_failures:
-                if not await self._probe_ok():
-                    e.crash(
-                        lane,
-                        f"{self.failures_in_row} model calls failed in a row ({kind}) and a "
-                        "known-good probe input failed too",
-                    )
-                    for r in live:
-                        e.ledger.fail(r.handle, e.refusal())
-                    return
-                self.failures_in_row = 0
-            if len(live) == 1:
-                r = live[0]
-                log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
-                msg = f"the model failed on this input ({kind}); other inputs are unaffected"
-                e.ledger.fail(r.handle, ModelFailed(msg))
-                return
+            err = OutOfMemory(msg, retry_after=max(1.0, self.recovery.oom_cooldown_s))
+            return [Failed(lane, "oom", 1, width, [(r, err)])], False
+        self.failures_in_row += 1
+        if self.failures_in_row >= self.recovery.probe_after_failures:
+            if not await self._probe_ok():
+                reason = (
+                    f"{self.failures_in_row} model calls failed in a row ({kind}) and a "
+                    "known-good probe input failed too"
+                )
+                return [
+                    Failed(lane, "error", len(live), width, []),
+                    Crashed(lane, reason, live),
+                ], False
+            self.failures_in_row = 0
+        if len(live) > 1:
             log.warning("batch of %d failed (%s); bisecting", len(live), kind)
-        mid = len(live) // 2
-        for half in (live[:mid], live[mid:]):
-            half = [r for r in half if not r.handle.finished]
-            if not half:
-                continue
-            if e.state is EngineState.FAILED:
-                for r in half:
-                    e.ledger.fail(r.handle, e.refusal())
-                continue
-            await self._execute(lane, half, self.collate(half, pad_to), pad_to)
+            return [Failed(lane, "error", len(live), width, [])], True
+        r = live[0]
+        log.warning("model failed on request %s (%d tokens): %s", r.id, r.length, kind)
+        msg = f"the model failed on this input ({kind}); other inputs are unaffected"
+        return [Failed(lane, "error", 1, width, [(r, ModelFailed(msg))])], False
 
     async def _probe_ok(self) -> bool:
         """Run one fixed, known-good input: does the runner still work at all?"""
-        e = self.engine
-        ids = e.runner.tokenize([_PROBE_TEXT], True)[0]
+        ids = self.runner.tokenize([_PROBE_TEXT], True)[0]
         probe = self.pad([ids], None)
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, e.runner.embed, probe)
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.runner.embed, probe
+            )
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -4,13 +4,22 @@
         runner (thread) ─► futures
 
 Every admitted input is a `Request` with one future; it is answered exactly once, with its
-vector or an explicit error, through the `Ledger`. The loop sleeps until new work arrives, a
-batch finishes, or the scheduler's `wake_at`. Batches beyond the runner's concurrency are
-collated ahead of time (prefetch) and wait for a runner slot; cancelled or expired members are
-dropped before they cost compute.
+vector or an explicit error, through the `Ledger`. Each turn of the loop is three steps, as in
+vLLM's `EngineCore.step()`:
 
-When the model fails, `BatchRunner` (`embed/batches.py`) isolates the failure: a poison input
-fails alone, an out-of-memory batch is split, a crashed runner turns the engine not-ready.
+- `_schedule`: restore expired batch caps, re-fit the boundaries if due, ask the pure scheduler
+  for a `Decision`, and end what it drops (expired, shed);
+- `_execute`: start the decision's batches on the `BatchRunner` (`embed/batches.py`), each in a
+  task of its own: batches beyond the runner's concurrency are collated ahead of time
+  (prefetch) and wait for a runner slot, and cancelled or expired members are dropped before
+  they cost compute;
+- `_update`: apply each `BatchEvent` a batch yields (answers, errors, figures, batch caps, the
+  cost model, a crash). It runs in the batch's task as each model call returns, so a call's
+  requests are answered then, not at the loop's next turn.
+
+The loop then sleeps until new work arrives, a batch finishes, or the scheduler's `wake_at`.
+When the model fails, `BatchRunner` isolates the failure: a poison input fails alone, an
+out-of-memory batch is split, a crashed runner turns the engine not-ready.
 
 Shutdown: `begin_drain()` refuses new requests (503) and flushes the queues without waiting for
 batches to fill; `stop()` waits for every admitted request up to a timeout and answers whatever
@@ -20,10 +29,10 @@ is left with 503. Nothing admitted is dropped silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Unpack
 
 from lenbatch.config import (
     AdaptiveConfig,
@@ -33,32 +42,37 @@ from lenbatch.config import (
     Strategy,
 )
 from lenbatch.core.adaptive import AdaptiveState, build_state
-from lenbatch.core.batch import Batch
+from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.clock import Clock
 from lenbatch.core.costfit import CostCoefficients
-from lenbatch.core.errors import (
-    BadInput,
-    LenbatchError,
-)
+from lenbatch.core.errors import BadInput, LenbatchError, ModelFailed
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.recovery import BatchCaps
-from lenbatch.core.refit import BoundarySwap, Fitter, Refitter, build_refitter, optimal_bounds
+from lenbatch.core.refit import Fitter, optimal_bounds
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
-from lenbatch.embed.batches import BatchRunner
-from lenbatch.embed.inputs import Inputs, token_ids, tokenize_checked
+from lenbatch.embed.batches import (
+    BatchEvent,
+    BatchRunner,
+    Crashed,
+    Expired,
+    Failed,
+    Refused,
+    Returned,
+    Started,
+)
+from lenbatch.embed.inputs import InputReader, tokenize_checked
+from lenbatch.embed.refit import LiveRefit
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.ledger import FutureReply, Ticket
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState
-from lenbatch.serving.messages import Embedded, Vector
+from lenbatch.serving.messages import CallOptions, Embedded, Inputs, Vector
 
 __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
 log = logging.getLogger("lenbatch.embed.engine")
-
-_TOKENIZE_THREADS = 2  # one long input tokenizing leaves a thread for everyone else
 
 
 class Engine(BaseEngine[Vector]):
@@ -95,12 +109,20 @@ class Engine(BaseEngine[Vector]):
         )
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
-        self.batches = BatchRunner(self, self._executor, self.batching.max_concurrent_batches)
-        # Tokenization runs here, never on the event loop: HF fast tokenizers release the GIL,
-        # so a huge input tokenizing in one thread holds up neither the loop nor a small
-        # request tokenizing in the other.
-        self._tokenize_pool = ThreadPoolExecutor(
-            max_workers=_TOKENIZE_THREADS, thread_name_prefix="lenbatch-tokenize"
+        self.batches = BatchRunner(
+            runner,
+            self.info,
+            self._executor,
+            self.batching.max_concurrent_batches,
+            self.recovery,
+            self.clock,
+        )
+        # Texts are tokenized in worker threads, never on the event loop (see `InputReader`).
+        self.inputs = InputReader(
+            runner.tokenize,
+            self.info.max_length,
+            self.info.vocab_size,
+            default_truncate=default_truncate,
         )
         self._batch_tasks: set[asyncio.Task[None]] = set()
         ac = adaptive or AdaptiveConfig()
@@ -117,14 +139,11 @@ class Engine(BaseEngine[Vector]):
                 concurrency=self.batching.max_concurrent_batches,
             )
         # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
-        self.refitter: Refitter | None = None
-        self._swap: BoundarySwap | None = None
+        self.refit: LiveRefit | None = None
         if self.adaptive is not None and (ac.refit or self.batching.auto_boundaries):
-            co = self.adaptive.cost.coefficients
-            self.refitter = build_refitter(
-                ac, self.info.max_length, co.a, co.b, fitter or optimal_bounds
+            self.refit = LiveRefit(
+                ac, self.info.max_length, self.adaptive, fitter or optimal_bounds
             )
-            self._swap = BoundarySwap(self.refitter)
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -136,7 +155,7 @@ class Engine(BaseEngine[Vector]):
     def _release(self) -> None:
         for task in list(self._batch_tasks):
             task.cancel()  # their requests are all answered by now
-        self._tokenize_pool.shutdown(wait=False)
+        self.inputs.close()
         super()._release()
 
     def refresh_memory(self) -> None:
@@ -151,8 +170,8 @@ class Engine(BaseEngine[Vector]):
         }
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe(self.lane_labels, self.clock.now())
-        if self.refitter is not None:
-            out["refit"] = self.refitter.describe()
+        if self.refit is not None:
+            out["refit"] = self.refit.describe()
         return out
 
     def prometheus(self) -> bytes:
@@ -172,45 +191,25 @@ class Engine(BaseEngine[Vector]):
         truncate = self.default_truncate if truncate is None else truncate
         return tokenize_checked(self.runner.tokenize, texts, truncate)
 
-    def _token_ids(self, inputs: Inputs, truncate: bool | None) -> list[list[int]]:
-        """Texts tokenized, token arrays checked against the vocabulary; none may be empty."""
-        return token_ids(inputs, lambda texts: self.tokenize(texts, truncate), self.info.vocab_size)
-
-    async def embed(
-        self,
-        inputs: Inputs,
-        *,
-        truncate: bool | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
-    ) -> list[Vector]:
+    async def embed(self, inputs: Inputs, **options: Unpack[CallOptions]) -> list[Vector]:
         """Embed each input (a text, or a token-id array); one vector per input, in order.
 
         Raises a `LenbatchError` (bad input, too long, overloaded, deadline, model failure,
         unavailable); with several inputs its message starts with the failing input's index.
         If the caller is cancelled, its requests leave the queue before they cost compute.
         """
-        done = await self.embed_with_usage(
-            inputs, truncate=truncate, timeout=timeout, priority=priority
-        )
-        return done.vectors
+        return (await self.embed_with_usage(inputs, **options)).vectors
 
-    async def embed_with_usage(
-        self,
-        inputs: Inputs,
-        *,
-        truncate: bool | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
-    ) -> Embedded:
+    async def embed_with_usage(self, inputs: Inputs, **options: Unpack[CallOptions]) -> Embedded:
         """`embed`, also counting the tokens embedded (OpenAI's `usage.prompt_tokens`).
 
         The one path from a call's inputs to its answer: tokenize (texts), check the
         vocabulary (token arrays), truncate if asked, admit (length, budget, queue and rate
         limits), queue, and wait for every vector.
         """
-        if self.state is not EngineState.RUNNING:
-            raise self.refusal()
+        priority = options.get("priority", 0)
+        timeout = options.get("timeout")
+        self.check_running()
         if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
             allowed = (
                 "0 (this server has one priority level: start it with --priority-levels N for more)"
@@ -218,18 +217,10 @@ class Engine(BaseEngine[Vector]):
                 else f"an integer in [0, {self.priority_levels - 1}] (higher runs first)"
             )
             raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
-        loop = asyncio.get_running_loop()
-        if inputs and isinstance(inputs[0], str):
-            # One batch-encode call per request, in a worker thread (see __init__).
-            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, truncate)
-            if self.state is not EngineState.RUNNING:
-                raise self.refusal()  # drained while this request was tokenizing
-        else:
-            ids = self._token_ids(inputs, truncate)  # token arrays: only a range check
-        truncate = self.default_truncate if truncate is None else truncate
-        limit = self.info.max_length
         # Too long for the model: cut here if asked; otherwise admission refuses it (413).
-        seqs = [x[:limit] for x in ids] if truncate else ids
+        seqs = await self.inputs.read(inputs, options.get("truncate"))
+        self.check_running()  # drained while this request was tokenizing
+        loop = asyncio.get_running_loop()
         now = self.clock.now()
         refusal = self.admission.check([len(s) for s in seqs], self.queues, now)
         if refusal is not None:
@@ -256,8 +247,8 @@ class Engine(BaseEngine[Vector]):
             lane = self.queues.push(r)
             if ad is not None:
                 ad.on_arrival(lane, r.length, now)
-            if self.refitter is not None:
-                self.refitter.observe(r.length)
+            if self.refit is not None:
+                self.refit.observe(r.length)
             requests.append(r)
         self.metrics.record_priority(priority, len(requests))
         self.ledger.admit(r.handle for r in requests)
@@ -288,42 +279,121 @@ class Engine(BaseEngine[Vector]):
         assert self._wakeup is not None
         while True:
             self._wakeup.clear()
-            now = self.clock.now()
-            restored = self.caps.expire(now)
-            if restored:
-                for lane in restored:
-                    log.info("batch cap of bucket %s restored", self.lane_labels[lane])
-                self.apply_caps()
-            if self.refitter is not None:
-                self._maybe_refit(now)
-            decision = schedule(self.queues, now, self.cfg, self.adaptive)
-            for r in decision.expired:
-                self.ledger.expire(r.handle)
-            if self.adaptive is not None:
-                for r in decision.shed:
-                    self.metrics.record_shed("queue")
-                    self.ledger.shed(r.handle, self.adaptive.shed_error(r, now))
-                for src, dst in decision.merges:
-                    self.metrics.record_merge(src, dst)
-            for batch in decision.batches:
-                task = asyncio.create_task(self._run_batch(batch))
-                self._batch_tasks.add(task)
-                task.add_done_callback(self._batch_tasks.discard)
+            decision = self._schedule(self.clock.now())
+            self._execute(decision.batches)
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
             await self._sleep_until_woken(decision.wake_at)
 
-    def _maybe_refit(self, now: float) -> None:
-        """Ask the re-fitter; once new boundaries are pending, hold new batches until the
-        runner is idle, then swap the lanes atomically (queued requests re-bucketed)."""
-        assert self._swap is not None and self.adaptive is not None
-        old = self.cfg.boundaries
-        new = self._swap.step(
-            now, old, self.queues.inflight_total, self.state is EngineState.RUNNING
+    def _schedule(self, now: float) -> Decision:
+        """Step 1: what to run now. Restores batch caps whose cool-down passed, re-fits the
+        boundaries if due, asks the scheduler, and ends the requests it drops (expired, or
+        shed by `adaptive`); returns its decision (the batches, and when to ask again)."""
+        restored = self.caps.expire(now)
+        if restored:
+            for lane in restored:
+                log.info("batch cap of bucket %s restored", self.lane_labels[lane])
+            self.apply_caps()
+        if self.refit is not None:
+            self._maybe_refit(self.refit, now)
+        decision = schedule(self.queues, now, self.cfg, self.adaptive)
+        for r in decision.expired:
+            self.ledger.expire(r.handle)
+        if self.adaptive is not None:
+            for r in decision.shed:
+                self.metrics.record_shed("queue")
+                self.ledger.shed(r.handle, self.adaptive.shed_error(r, now))
+            for src, dst in decision.merges:
+                self.metrics.record_merge(src, dst)
+        return decision
+
+    def _execute(self, batches: Sequence[Batch]) -> list[asyncio.Task[None]]:
+        """Step 2: start each batch on the runner, in a task of its own (it collates now and
+        waits for a runner slot); returns the tasks."""
+        tasks = []
+        for batch in batches:
+            task = asyncio.create_task(self._run_batch(batch))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+            tasks.append(task)
+        return tasks
+
+    def _update(self, event: BatchEvent) -> None:
+        """Step 3: apply what a batch came to, as it happens: start, answer or fail its
+        requests through the ledger; record the call's figures, feed the cost model, lower a
+        batch cap after out-of-memory, or declare the runner crashed."""
+        match event:
+            case Started(requests, at):
+                for r in requests:
+                    self.ledger.start(r.handle, at)
+            case Expired(requests):
+                for r in requests:
+                    self.ledger.expire(r.handle)
+            case Refused(requests):
+                self._refuse_all(requests)
+            case Returned():
+                self._returned(event)
+            case Failed():
+                self._failed(event)
+            case Crashed(lane, reason, requests):
+                self.crash(lane, reason)
+                self._refuse_all(requests)
+
+    def _returned(self, call: Returned) -> None:
+        """Record a model call that returned and answer its requests."""
+        lane = call.lane
+        self.metrics.record_batch(
+            lane, call.size, call.real_tokens, call.padded_tokens, call.exec_s, call.queue_waits
         )
-        self.adaptive.hold = self._swap.holding
+        log.debug(
+            "batch lane=%s size=%d width=%d real=%d packed=%s exec_ms=%.1f",
+            self.lane_labels[lane],
+            call.size,
+            call.width,
+            call.real_tokens,
+            call.packed,
+            call.exec_s * 1000,
+        )
+        if self.adaptive is not None:
+            longest = max(r.length for r in call.requests)
+            self.adaptive.observe_batch(lane, call.size, longest, call.exec_s)
+        for r, vec in zip(call.requests, call.vectors, strict=True):
+            r.handle.exec_s = call.exec_s
+            self.ledger.answer(r.handle, vec)
+
+    def _failed(self, call: Failed) -> None:
+        """Record a failed model call, lower its lane's cap after out-of-memory, and fail the
+        requests that failed alone."""
+        lane = call.lane
+        self.metrics.record_failure(lane, call.kind)
+        if call.kind == "oom":
+            cap = self.caps.lower(lane, call.size, self.clock.now())
+            self.apply_caps()
+            if call.size > 1:
+                log.warning(
+                    "out of memory on a batch of %d x %d tokens: splitting; bucket %s capped "
+                    "at %d for %g s",
+                    call.size,
+                    call.width,
+                    self.lane_labels[lane],
+                    cap,
+                    self.caps.cooldown_s,
+                )
+        for r, err in call.errors:
+            self.ledger.fail(r.handle, err)
+
+    def _refuse_all(self, requests: Sequence[Request[Ticket[Vector]]]) -> None:
+        err = self.refusal()
+        for r in requests:
+            self.ledger.fail(r.handle, err)
+
+    def _maybe_refit(self, refit: LiveRefit, now: float) -> None:
+        """Swap the lanes atomically once the re-fit says so (queued requests re-bucketed)."""
+        assert self.adaptive is not None
+        accepting = self.state is EngineState.RUNNING
+        inflight, queued = self.queues.inflight_total, self.queues.size
+        new = refit.step(now, self.cfg.boundaries, inflight, accepting, queued)
         if new is None:
             return
-        assert self.refitter is not None
         batching = self.batching.model_copy(update={"boundaries": new, "auto_boundaries": False})
         lanes = resolve_lanes(batching, self.info.max_length)
         self.batching = batching
@@ -337,37 +407,24 @@ class Engine(BaseEngine[Vector]):
         self.adaptive.reset_lanes(lanes.cfg)
         self.adaptive.hold = False
         self.apply_caps()
-        ev = self.refitter.events[-1]
-        log.info(
-            "re-fit: boundaries %s -> %s (drift KS %s, predicted saving %.1f%%, %d queued "
-            "requests re-bucketed)",
-            list(old),
-            list(new),
-            "n/a" if ev.ks is None else f"{ev.ks:.3f}",
-            100 * ev.saving,
-            self.queues.size,
-        )
 
     async def _run_batch(self, batch: Batch) -> None:
+        pad_to = self.cfg.lanes[batch.lane].pad_to
+        events = self.batches.run(batch, pad_to, failed=self._has_failed, wanted=_wanted)
         try:
-            await self.batches.run(batch)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    self._update(event)
+        except Exception:  # a bug above the runner: never leave a request hanging
+            log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
+            for r in batch.requests:
+                self.ledger.fail(r.handle, ModelFailed("internal error while running this batch"))
         finally:
             self.queues.batch_done(batch.lane)
-            if self.adaptive is not None:
-                self._observe(batch)
             self._kick()
 
-    def _observe(self, batch: Batch) -> None:
-        """Feed the model calls this batch made (one, or more if it was split) to the online
-        cost model: members that ran together share their start and execution time."""
-        assert self.adaptive is not None
-        calls: dict[tuple[float, float], list[int]] = {}
-        for r in batch.requests:
-            t = r.handle
-            if t.started is not None and t.exec_s is not None:
-                calls.setdefault((t.started, t.exec_s), []).append(r.length)
-        for (_, exec_s), lengths in calls.items():
-            self.adaptive.observe_batch(batch.lane, len(lengths), max(lengths), exec_s)
+    def _has_failed(self) -> bool:
+        return self.state is EngineState.FAILED
 
     def crash(self, lane: int, reason: str) -> None:
         """Declare the runner unusable: not ready, every queued request answered 503."""
@@ -380,6 +437,10 @@ class Engine(BaseEngine[Vector]):
         for r in waiting:
             self.ledger.fail(r.handle, err)
         self._kick()
+
+
+def _wanted(r: Request[Ticket[Vector]]) -> bool:
+    return not r.handle.finished
 
 
 def _future(r: Request[Ticket[Vector]]) -> asyncio.Future[Vector]:

@@ -1,22 +1,29 @@
 """What an embeddings call's inputs must be, checked once for every front door.
 
 The single server's engine and the Ray ingress (`lenbatch.scaleout`) both turn a call's
-inputs (texts, or token-id arrays) into token ids through these functions, so a bad input
-gets the same 400 from either. Errors name the input's index, never its content.
+inputs (texts, or token-id arrays) into token ids through an `InputReader`, so a bad input
+gets the same 400 from either and the same ids come out. Texts are tokenized in worker threads,
+never on the event loop: HF fast tokenizers release the GIL, so a huge input tokenizing in one
+thread holds up neither the loop nor a small request tokenizing in the other. Errors name the
+input's index, never its content.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 from lenbatch.core.errors import BadInput
+from lenbatch.serving.messages import Inputs
 
-__all__ = ["Inputs", "check_texts", "token_ids", "tokenize_checked"]
-
-Inputs = Sequence[str] | Sequence[Sequence[int]]
+__all__ = ["InputReader", "Inputs", "Tokenize", "check_texts", "token_ids", "tokenize_checked"]
 
 Tokenize = Callable[[Sequence[str], bool], list[list[int]]]
+"""A tokenizer's `tokenize(texts, truncate)`: token ids per text, cut to the limit if asked."""
+
+_THREADS = 2  # one long input tokenizing leaves a thread for everyone else
 
 
 def check_texts(texts: Sequence[str]) -> None:
@@ -71,3 +78,50 @@ def token_ids(
             raise BadInput(f"input {i} has token ids outside [0, {vocab_size})")
         out.append(list(seq))
     return out
+
+
+class InputReader:
+    """A call's inputs to token ids, as every embeddings front door reads them: texts tokenized
+    (in a worker thread), token arrays checked against the vocabulary, and every input cut to
+    `max_length` tokens when the call truncates (`default_truncate` when it does not say)."""
+
+    def __init__(
+        self,
+        tokenize: Tokenize,
+        max_length: int,
+        vocab_size: int,
+        *,
+        default_truncate: bool = False,
+        threads: int = _THREADS,
+    ) -> None:
+        self.tokenize = tokenize
+        self.max_length = max_length
+        self.vocab_size = vocab_size
+        self.default_truncate = default_truncate
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lenbatch-tokenize")
+
+    def truncating(self, truncate: bool | None) -> bool:
+        """Whether a call that says `truncate` (None: nothing) has its inputs cut."""
+        return self.default_truncate if truncate is None else truncate
+
+    def token_ids(self, inputs: Inputs, truncate: bool | None = None) -> list[list[int]]:
+        """Token ids of `inputs`, on the calling thread. Raises `BadInput` for an empty input,
+        a text that is not valid Unicode or that the tokenizer cannot process, or a token id
+        outside the vocabulary (naming the input's index, never its content)."""
+        cut = self.truncating(truncate)
+        ids = token_ids(
+            inputs, lambda texts: tokenize_checked(self.tokenize, texts, cut), self.vocab_size
+        )
+        return [x[: self.max_length] for x in ids] if cut else ids
+
+    async def read(self, inputs: Inputs, truncate: bool | None = None) -> list[list[int]]:
+        """`token_ids`, with texts tokenized in a worker thread (one batch-encode call per
+        call); token arrays need only a range check and are read on the loop."""
+        if inputs and isinstance(inputs[0], str):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.token_ids, inputs, truncate)
+        return self.token_ids(inputs, truncate)
+
+    def close(self) -> None:
+        """Stop the worker threads (an input still tokenizing finishes first)."""
+        self._pool.shutdown(wait=False)

@@ -1,4 +1,5 @@
-"""Model names: aliases and local folders, and loading one as an embedding runner."""
+"""Model names: aliases and local folders, and loading one as an embedding runner, or its
+tokenizer alone."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import logging
 from pathlib import Path
 
 from lenbatch.runners.base import EmbeddingRunner
+from lenbatch.runners.tokenizer import TextTokenizer
 
-__all__ = ["MODEL_ALIASES", "load_runner", "resolve_model"]
+__all__ = ["MODEL_ALIASES", "load_runner", "load_tokenizer", "resolve_model"]
 
 MODEL_ALIASES = ("minilm",)
 
@@ -75,3 +77,16 @@ def load_runner(
         torch_threads=torch_threads,
         dtype=dtype,
     )
+
+
+def load_tokenizer(name: str, max_length: int) -> TextTokenizer | EmbeddingRunner:
+    """The tokenizer of the embedding model called `name` (alias or folder) and nothing else:
+    no weights are loaded. It cuts at `max_length` tokens when asked, keeping the first ones,
+    as the encoder runners do. For the `fake?...` test models, the fake runner itself (it has
+    no weights; it tokenizes as it does when served)."""
+    if name.partition("?")[0].lower() == "fake":
+        from lenbatch.runners.faulty import runner_from_spec
+
+        return runner_from_spec(name)
+    folder, _ = resolve_model(name)
+    return TextTokenizer.load(folder, max_length, keep="head")

@@ -24,7 +24,10 @@ from typing import TYPE_CHECKING, Any
 from lenbatch.config import Settings
 
 if TYPE_CHECKING:
+    from lenbatch.runners.base import ModelInfo
+    from lenbatch.scaleout.board import RoutingBoard
     from lenbatch.scaleout.frontend import Frontend
+    from lenbatch.scaleout.lmfrontend import LMFrontend
 
 __all__ = [
     "APP_NAME",
@@ -58,102 +61,89 @@ class RayOptions:
 
 class Ingress:
     """The HTTP ingress deployment: lenbatch's own app (embeddings, or completions and chat for
-    a causal LM) over a `Frontend` / `LMFrontend` standing in for the engine."""
+    a causal LM) over a `Frontend` / `LMFrontend`, the services of `scaleout.ingress`.
+
+    It loads the model's tokenizer only, never its weights: the model's facts come from a
+    replica (`info()`)."""
 
     # Ray Serve awaits an async constructor (it asks a replica for the model's facts).
     async def __init__(  # type: ignore[misc]
         self, engines: Any, settings: dict[str, Any], routing: str, groups: int
     ) -> None:
         from lenbatch.scaleout.board import board_for
+        from lenbatch.scaleout.replica import model_info
 
         self.settings = Settings.model_validate(settings)
         facts = await engines.info.remote()
         board = board_for(ENGINES, groups)
-        self.generates = facts.get("kind") == "generate"
-        self.frontend: Frontend
-        if self.generates:
-            self.frontend = self._lm_frontend(engines, board, facts, routing)
-        else:
-            self.frontend = self._embed_frontend(engines, board, facts, routing)
+        self.frontend = self._frontend(
+            engines, board, model_info(facts), facts["boundaries"], routing
+        )
         log.info("%s; replicas: %s", self.frontend.describe(), facts["describe"])
 
-    def _embed_frontend(
-        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
-    ) -> Frontend:
-        from lenbatch.runners import load_runner
-        from lenbatch.runners.base import ModelInfo
+    def _frontend(
+        self,
+        engines: Any,
+        board: RoutingBoard,
+        info: ModelInfo,
+        boundaries: list[int],
+        routing: str,
+    ) -> Frontend | LMFrontend:
+        """The service for the replicas' model, over the same tokenizer (and chat template):
+        completions and chat for a causal LM, else embeddings."""
+        from lenbatch.generate.prompts import Prompts
+        from lenbatch.runners.loading import load_tokenizer
         from lenbatch.scaleout.frontend import Frontend
+        from lenbatch.scaleout.lmfrontend import LMFrontend
+        from lenbatch.scaleout.replica import load_causal_tokenizer
 
-        m = self.settings.model
-        # The ingress only tokenizes: one thread, and the same tokenizer as the replicas.
-        tokenizer = load_runner(m.name, device="cpu", max_length=m.max_length, torch_threads=1)
-        info = ModelInfo(
-            name=facts["name"],
-            max_length=facts["max_length"],
-            pad_token_id=tokenizer.info.pad_token_id,
-            padding_side=tokenizer.info.padding_side,
-            needs_position_ids=tokenizer.info.needs_position_ids,
-            vocab_size=facts["vocab_size"],
-            dim=facts["dim"],
-        )
+        s = self.settings
+        timeout = s.admission.request_timeout_s
+        if info.kind == "generate":
+            prompts = Prompts(load_causal_tokenizer(s, info.max_length), info, s.generation)
+            return LMFrontend(
+                engines, board, prompts, boundaries, routing=routing, request_timeout=timeout
+            )
+        tokenizer = load_tokenizer(s.model.name, info.max_length)  # cuts where the replicas cut
         return Frontend(
             engines,
             board,
-            tokenizer,
+            tokenizer.tokenize,
             info,
-            facts["boundaries"],
+            boundaries,
             routing=routing,
-            default_truncate=m.truncate,
-            request_timeout=self.settings.admission.request_timeout_s,
-        )
-
-    def _lm_frontend(
-        self, engines: Any, board: Any, facts: dict[str, Any], routing: str
-    ) -> Frontend:
-        from lenbatch.generate.engine import GenerationEngine
-        from lenbatch.scaleout.lmfrontend import LMFrontend
-        from lenbatch.scaleout.replica import load_causal
-
-        s = self.settings
-        # The same tokenizer and chat template as the replicas (the weights are loaded with
-        # it; on the CPU, one thread: the ingress never runs them).
-        runner = load_causal(s, "cpu", 1)
-        local = GenerationEngine(runner, s.batching, s.admission, s.generation)
-        return LMFrontend(
-            engines,
-            board,
-            local,
-            facts["boundaries"],
-            routing=routing,
-            request_timeout=s.admission.request_timeout_s,
+            default_truncate=s.model.truncate,
+            request_timeout=timeout,
         )
 
     def __serve_build_asgi_app__(self) -> Any:
-        from typing import cast
+        from lenbatch.scaleout.figures import FreshFigures
+        from lenbatch.scaleout.lmfrontend import LMFrontend
 
-        from lenbatch.scaleout.frontend import FreshFigures
-
-        # The single server's app, unchanged, over the stand-in: it needs what the engine has
-        # (info, the submit/stream or embed calls, and the Servable lifecycle).
-        if self.generates:
+        # The single server's app, unchanged, over the ingress's service.
+        if isinstance(self.frontend, LMFrontend):
             from lenbatch.generate.api import create_llm_app
-            from lenbatch.generate.engine import GenerationEngine
 
-            app = create_llm_app(cast("GenerationEngine", self.frontend), self.settings)
+            app = create_llm_app(self.frontend, self.settings)
         else:
             from lenbatch.embed.api import create_app
-            from lenbatch.embed.engine import Engine
 
-            app = create_app(cast("Engine", self.frontend), self.settings)
-        app.add_middleware(FreshFigures, frontend=self.frontend)
+            app = create_app(self.frontend, self.settings)
+        app.add_middleware(FreshFigures, refresh=self.frontend.refresh)
         return app
 
     async def drain(self, timeout: float | None = None) -> int:
-        """Refuse new requests and wait for the admitted ones; returns how many were left."""
-        await self.frontend.drain(
+        """Refuse new requests and wait for the admitted ones; returns how many were still
+        open at the timeout (they are answered 503)."""
+        front = self.frontend
+        front.begin_drain()
+        if await front.wait_idle(
             self.settings.server.drain_timeout_s if timeout is None else timeout
-        )
-        return self.frontend.unanswered
+        ):
+            return 0
+        left = front.unanswered
+        await front.drain(0)  # the timeout has passed: answer what is left
+        return left
 
     async def routing(self) -> dict[str, Any]:
         """The routing counters and every replica's figures (as `/stats`)."""
@@ -290,7 +280,7 @@ def run(settings: Settings, options: RayOptions) -> int:
         log.info("shutdown requested: draining")
         left = handle.drain.remote().result(timeout_s=settings.server.drain_timeout_s + 30)
         if left:
-            log.warning("%d requests still open after the drain timeout", left)
+            log.warning("%d requests still open at the drain timeout: answered 503", left)
     finally:
         try:
             if address:

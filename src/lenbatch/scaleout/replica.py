@@ -18,6 +18,7 @@ request is answered.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,8 +26,18 @@ from typing import Any
 from lenbatch.config import Settings, Strategy
 from lenbatch.core.errors import LenbatchError
 from lenbatch.embed.engine import Engine
+from lenbatch.runners.base import ModelInfo
+from lenbatch.runners.tokenizer import TextTokenizer
 
-__all__ = ["EngineReplica", "LMReplica", "ReplicaShell", "error_fields", "load_causal"]
+__all__ = [
+    "EngineReplica",
+    "LMReplica",
+    "ReplicaShell",
+    "error_fields",
+    "load_causal",
+    "load_causal_tokenizer",
+    "model_info",
+]
 
 log = logging.getLogger("lenbatch.scaleout.replica")
 
@@ -51,16 +62,11 @@ class ReplicaShell:
     replica_id: str
 
     async def info(self, **_: Any) -> dict[str, Any]:
-        """The model's facts the ingress needs (`kind`: embedding or generate), and the
-        engine's boundaries."""
-        i = self.engine.info
+        """The model's facts the ingress needs (`model`: its `ModelInfo` as plain data, see
+        `model_info`), and the engine's boundaries."""
         return {
-            "kind": i.kind,
+            "model": dataclasses.asdict(self.engine.info),
             "replica": self.replica_id,
-            "name": i.name,
-            "dim": i.dim,
-            "max_length": i.max_length,
-            "vocab_size": i.vocab_size,
             "boundaries": list(self.engine.cfg.boundaries),
             "describe": self.engine.describe(),
         }
@@ -181,6 +187,22 @@ class LMReplica(ReplicaShell):
                 yield item
         except LenbatchError as err:
             yield {"error": error_fields(err), "replica": self.replica_id}
+
+
+def model_info(facts: dict[str, Any]) -> ModelInfo:
+    """The served model's facts from what a replica's `info()` answered."""
+    return ModelInfo(**facts["model"])
+
+
+def load_causal_tokenizer(settings: Settings, max_length: int) -> TextTokenizer:
+    """The settings' causal LM's tokenizer alone (no weights), cutting prompts as its runner
+    does (the last tokens kept) at `max_length`, the context the replicas serve."""
+    from lenbatch.runners.causal import resolve_causal_model
+
+    ref = resolve_causal_model(settings.model.name)
+    if ref is None:
+        raise ValueError("the model is not a causal LM")
+    return TextTokenizer.load(ref.folder, max_length, keep="tail", gguf_file=ref.gguf_file)
 
 
 def load_causal(settings: Settings, device: str, threads: int) -> Any:

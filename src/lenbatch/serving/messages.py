@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "CallOptions",
     "Delta",
     "Embedded",
     "Inputs",
     "PairInputs",
     "Predicted",
     "SamplingParams",
+    "SubmitOptions",
     "Vector",
 ]
 
@@ -32,6 +35,33 @@ Inputs = Sequence[str] | Sequence[Sequence[int]]
 PairInputs = Sequence[str | tuple[str, str]]
 """A scorer's or classifier's inputs: single texts, or (query, document) pairs tokenized as a
 pair (with segment ids where the model uses them)."""
+
+
+class CallOptions(TypedDict, total=False):
+    """What an embeddings or scoring call may say besides its inputs (each may be left out).
+
+    `truncate` cuts inputs over the model's limit (None: the server's default; otherwise an
+    overlong input is refused 413); `timeout` is the seconds an input may wait before it runs
+    (504 after; None: the server's default); `priority` its level (higher runs first; 0 when
+    left out).
+    """
+
+    truncate: bool | None
+    timeout: float | None
+    priority: int
+
+
+class SubmitOptions(TypedDict, total=False):
+    """What a generation call may say besides its prompts and sampling (each may be left out).
+
+    `arrival` is the clock time the route received the call (before tokenizing), for the TTFT
+    breakdown; `timeout` the seconds a prompt may wait before it runs (504 after); `priority`
+    its level (higher runs first; 0 when left out).
+    """
+
+    arrival: float | None
+    timeout: float | None
+    priority: int
 
 
 @dataclass(frozen=True, slots=True)

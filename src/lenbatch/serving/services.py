@@ -20,19 +20,21 @@ the limit is; a caller that goes away cancels its work before it costs compute.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, Unpack, runtime_checkable
 
 from lenbatch.config import GenerationConfig
 from lenbatch.core.clock import Clock
 from lenbatch.runners.base import ModelInfo
 from lenbatch.serving.lifecycle import EngineState
 from lenbatch.serving.messages import (
+    CallOptions,
     Delta,
     Embedded,
     Inputs,
     PairInputs,
     Predicted,
     SamplingParams,
+    SubmitOptions,
 )
 
 __all__ = [
@@ -105,21 +107,10 @@ class EmbeddingService(Service, Protocol):
         """The served model's facts (name, length limit, vector width)."""
         ...
 
-    async def embed_with_usage(
-        self,
-        inputs: Inputs,
-        *,
-        truncate: bool | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
-    ) -> Embedded:
-        """One vector per input, in order, and the tokens they took.
-
-        `truncate` cuts inputs over the model's limit (None: the server's default; otherwise
-        an overlong input is refused 413); `timeout` is the seconds an input may wait before it
-        runs (504 after); `priority` its level (higher runs first). With several inputs, an
-        error's message starts with the failing input's index.
-        """
+    async def embed_with_usage(self, inputs: Inputs, **options: Unpack[CallOptions]) -> Embedded:
+        """One vector per input, in order, and the tokens they took (`options`: truncation,
+        timeout and priority, see `CallOptions`). With several inputs, an error's message
+        starts with the failing input's index."""
         ...
 
 
@@ -188,16 +179,11 @@ class GenerationService(Service, Protocol[H]):
         ...
 
     def submit_all(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        arrival: float | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
+        self, prompts: list[list[int]], params: SamplingParams, **options: Unpack[SubmitOptions]
     ) -> list[H]:
         """Admit every prompt of one call, or none (a refused prompt withdraws the others);
-        raises the refusal (`BadInput`, `InputTooLong`, `Overloaded`, `Unavailable`)."""
+        raises the refusal (`BadInput`, `InputTooLong`, `Overloaded`, `Unavailable`).
+        `options`: arrival, timeout and priority, see `SubmitOptions`."""
         ...
 
     def stream(self, handle: H) -> AsyncIterator[Delta]:
@@ -228,12 +214,7 @@ class ScoringService(Service, Protocol):
         ...
 
     async def predict_with_usage(
-        self,
-        inputs: PairInputs,
-        *,
-        truncate: bool | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
+        self, inputs: PairInputs, **options: Unpack[CallOptions]
     ) -> Predicted:
         """The logits of each input, in order, and the tokens they took. A pair that is too
         long is cut from the document's side when `truncate` is set, never the query's."""
