@@ -1,4 +1,4 @@
-"""Regenerate docs/configuration.md from the field docstrings in src/lenbatch/config.py.
+"""Regenerate docs/configuration.md from the field docstrings in src/lenbatch/config/.
 
     .venv/bin/python docs/gen_config.py > docs/configuration.md    (or: make docs)
 
@@ -17,7 +17,7 @@ HEADER = """# Configuration
 environment variables `LENBATCH_<SECTION>__<FIELD>` (lists comma-separated, e.g.
 `LENBATCH_BATCHING__BOUNDARIES=32,64,128`), then command-line flags. Unknown keys are errors.
 
-This page is generated from the field docstrings in `src/lenbatch/config.py` by
+This page is generated from the field docstrings in `src/lenbatch/config/` by
 `docs/gen_config.py` (`make docs`); a test keeps it in step with the code.
 """
 

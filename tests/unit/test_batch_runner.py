@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from lenbatch.config import RecoveryConfig
+from lenbatch.core.batch import Batch
 from lenbatch.core.clock import FakeClock
 from lenbatch.core.request import Request
-from lenbatch.core.batch import Batch
 from lenbatch.embed.batches import (
     BatchEvent,
     BatchRunner,
@@ -152,3 +152,30 @@ def test_members_not_wanted_or_expired_cost_nothing() -> None:
     refused = run(FaultyRunner(fake), batch([ids(3)], clock), clock, failed=lambda: True)
     assert [type(e) for e in refused] == [Refused]
     assert len(fake.batches) == 1
+
+
+class SegmentsSeen(FakeRunner):
+    """A fake runner that keeps the segment ids of every batch it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: list[np.ndarray | None] = []
+
+    def embed(self, batch: Any) -> np.ndarray:
+        self.segments.append(batch.token_type_ids)
+        return super().embed(batch)
+
+
+def test_segment_ids_of_pairs_reach_the_runner() -> None:
+    """A request's segment ids are padded with its tokens into the batch the runner gets;
+    a request without them counts as segment 0."""
+    runner, clock = SegmentsSeen(), FakeClock()
+    b = batch([ids(4), ids(3)], clock)
+    b.requests[0].token_type_ids = [0, 0, 1, 1]
+    events = run(FaultyRunner(runner), b, clock)
+    assert [type(e) for e in events] == [Started, Returned]
+    (seen,) = runner.segments
+    assert seen is not None
+    np.testing.assert_array_equal(seen, [[0, 0, 1, 1], [0, 0, 0, 0]])
+    run(FaultyRunner(runner), batch([ids(3)], clock), clock)
+    assert runner.segments[-1] is None  # single texts: no segment ids at all

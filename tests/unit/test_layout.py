@@ -3,7 +3,7 @@
 Floors, from the bottom; a module imports lenbatch modules only from its own folder or from a
 lower floor (`embed` and `generate` share a floor and never import each other):
 
-    config.py (0) < core/ (1) < runners/ (2) < serving/ (3) < embed/, generate/ (4)
+    config/ (0) < core/ (1) < runners/ (2) < serving/ (3) < embed/, generate/ (4)
     < plan/, scaleout/ (5) < replay/ (6) < cli/ (7)
 
 `lenbatch/__init__.py` re-exports public names and sits above every floor, so no module inside
@@ -145,8 +145,8 @@ def check(source: str, rel: str) -> dict[str, list[str]]:
             out["serving_side"].append(f"{where}: {folder}/ never imports from {target}/")
         if target not in FLOORS:
             out["floors"].append(f"{where}: {imp.module} is in no known folder")
-        elif folder == "config":
-            out["floors"].append(f"{where}: config.py imports nothing from lenbatch")
+        elif folder == "config" and target != "config":
+            out["floors"].append(f"{where}: config/ imports nothing else from lenbatch")
         elif target != folder and FLOORS[target] >= FLOORS[folder]:
             out["floors"].append(
                 f"{where}: {folder}/ (floor {FLOORS[folder]}) may not import from "
@@ -420,7 +420,8 @@ def test_scanner_catches_violations() -> None:
 
     sibling = check("from lenbatch.generate.sampling import SamplingParams\n", "embed/x.py")
     assert sibling["floors"] and "generate" in sibling["floors"][0]
-    assert check("from lenbatch.core import Request\n", "config.py")["floors"]
+    assert check("from lenbatch.core import Request\n", "config/x.py")["floors"]
+    assert not check("from lenbatch.config.fields import FROZEN\n", "config/x.py")["floors"]
     assert check("import lenbatch\n", "plan/x.py")["floors"]  # the root sits above all
     assert check("from lenbatch.engine import Engine\n", "cli/x.py")["floors"]  # old name
 
@@ -518,7 +519,7 @@ def test_type_checking_and_function_imports_close_a_cycle() -> None:
 
 def test_tree_is_scanned() -> None:
     assert "core/scheduler.py" in sources()
-    assert "config.py" in sources()
+    assert "config/settings.py" in sources()
     assert {folder_of(rel) for rel in sources()} <= FLOORS.keys()
 
 

@@ -209,17 +209,30 @@ class BatchRunner:
     def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Prepared:
         """The batch of `requests` as the runner takes it: packed if it runs padding-free
         (then a lane's fixed length means nothing: a packed batch computes its real tokens
-        only), else padded (to `pad_to` if the lane fixes a length)."""
+        only), else padded (to `pad_to` if the lane fixes a length). A pair's segment ids go
+        with its tokens."""
         seqs = [r.token_ids or [] for r in requests]
+        types = [r.token_type_ids for r in requests]
+        segments = types if any(t is not None for t in types) else None
         if self.packed_runner is not None:
-            return pack(seqs)
-        return self.pad(seqs, pad_to)
+            return pack(seqs, segments)
+        return self.pad(seqs, pad_to, segments)
 
-    def pad(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> Collated:
-        """Token-id lists padded for the model."""
+    def pad(
+        self,
+        seqs: Sequence[Sequence[int]],
+        pad_to: int | None,
+        segments: Sequence[Sequence[int] | None] | None = None,
+    ) -> Collated:
+        """Token-id lists (and their segment ids, if any) padded for the model."""
         i = self.info
         return collate(
-            seqs, i.pad_token_id, i.padding_side, pad_to=pad_to, position_ids=i.needs_position_ids
+            seqs,
+            i.pad_token_id,
+            i.padding_side,
+            pad_to=pad_to,
+            position_ids=i.needs_position_ids,
+            segments=segments,
         )
 
     def _model_call(self, batch: Prepared) -> npt.NDArray[np.float32]:

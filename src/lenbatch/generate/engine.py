@@ -42,11 +42,12 @@ from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import Unit, make_policy
 from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.generate.shapes import make_fixed_shapes
-from lenbatch.generate.streams import deltas, open_generation, ticket_of
+from lenbatch.generate.streams import open_generation, ticket_of
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.messages import Delta, SamplingParams
+from lenbatch.serving.streams import read_deltas
 
 __all__ = ["GenerationEngine", "Scheduled"]
 
@@ -231,7 +232,7 @@ class GenerationEngine(PromptCalls, BaseEngine[Delta]):
         client gone) cancels the request so it stops costing compute.
         """
         try:
-            async for delta in deltas(gen):
+            async for delta in read_deltas(gen.sink):
                 yield delta
         finally:
             self.cancel(gen)

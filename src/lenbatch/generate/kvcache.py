@@ -86,7 +86,8 @@ class WindowLayer(DynamicLayer):
             return 0
         return (self.kbuf.numel() + self.vbuf.numel()) * self.kbuf.element_size()
 
-    def _view(self) -> None:
+    def reslice(self) -> None:
+        """Point `keys` and `values` at the live window of the buffers (rows x start:end)."""
         assert self.kbuf is not None and self.vbuf is not None
         self.keys = self.kbuf[: self.rows, :, self.start : self.end]
         self.values = self.vbuf[: self.rows, :, self.start : self.end]
@@ -102,7 +103,7 @@ class WindowLayer(DynamicLayer):
         self.rows, self.start, self.end = rows, _SPARE_COLS, _SPARE_COLS + width
         self.kbuf[:rows, :, self.start : self.end] = keys
         self.vbuf[:rows, :, self.start : self.end] = values
-        self._view()
+        self.reslice()
 
     def reserve(self, rows: int, left: int, right: int) -> None:
         """Make room for `rows` rows, `left` columns before the window and `right` after it;
@@ -125,7 +126,7 @@ class WindowLayer(DynamicLayer):
             ]
             setattr(self, name, new)
         self.start, self.end = new_left, new_left + width
-        self._view()
+        self.reslice()
 
     def fit(self, rows_cap: int, cols_cap: int) -> None:
         """Make the buffers exactly `[rows_cap, heads, cols_cap, dim]` with a free column after
@@ -148,12 +149,12 @@ class WindowLayer(DynamicLayer):
                 new[: self.rows, :, :width] = win
                 setattr(self, name, new)
         self.start, self.end = 0, width
-        self._view()
+        self.reslice()
 
     def wrote_column(self) -> None:
         """The fixed-shape decode wrote one column at the window's end: take it in."""
         self.end += 1
-        self._view()
+        self.reslice()
 
     # ------------------------------------------------------------------ what the model calls
 
@@ -174,7 +175,7 @@ class WindowLayer(DynamicLayer):
         self.kbuf[: self.rows, :, self.end : self.end + n] = key_states
         self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
         self.end += n
-        self._view()
+        self.reslice()
         return self._window()
 
     def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,12 +193,12 @@ class WindowLayer(DynamicLayer):
                 win = buf[: self.rows, :, self.start : self.end]
                 buf[:n, :, self.start : self.end] = win.index_select(0, idx)
         self.rows = n
-        self._view()
+        self.reslice()
 
     def drop_leading(self, cols: int) -> None:
         """Columns `[start, start + cols)` are padding in every row: leave them out."""
         self.start += cols
-        self._view()
+        self.reslice()
 
     def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add rows right-aligned at the window's end, growing the window to the left if they
@@ -212,7 +213,7 @@ class WindowLayer(DynamicLayer):
         self.kbuf[self.rows : self.rows + n, :, self.end - width : self.end] = keys
         self.vbuf[self.rows : self.rows + n, :, self.end - width : self.end] = values
         self.rows += n
-        self._view()
+        self.reslice()
 
 
 class WindowCache(Cache):
@@ -377,7 +378,7 @@ class KVBatch:
         column, others not): every layer's window ends at the mask's width again."""
         for layer in self._layers():
             layer.end = layer.start + self.width
-            layer._view()
+            layer.reslice()
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [B,1], attention mask [B,W+1], position ids [B,1]) for one decode step."""

@@ -1,57 +1,26 @@
 """A generation's way back to its caller: deltas through its queue, its ending through the ledger.
 
 `open_generation` makes the `Generation` of one queued prompt: its text tracker, timings, event
-queue and ledger ticket (whose reply is a `StreamReply`). The engine's loop puts every delta but
-the last on the queue while the request is open; the last delta, an error or an expiry come
-through the ledger, which answers each admitted request exactly once. `deltas` reads the queue
-for the caller, on the event loop.
+queue and ledger ticket (whose reply is a `serving.streams.SinkReply` on that queue). The
+engine's loop puts every delta but the last on the queue while the request is open; the last
+delta, an error or an expiry come through the ledger, which answers each admitted request
+exactly once; an early ending takes the generation out of the running batch at the next step.
+The caller reads the queue with `serving.streams.read_deltas`, on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from lenbatch.core.errors import LenbatchError
 from lenbatch.core.request import Request
 from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.sampling import TextTracker
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams
+from lenbatch.serving.streams import SinkReply
 
-__all__ = ["StreamReply", "deltas", "open_generation", "ticket_of"]
-
-
-class StreamReply:
-    """A `Reply` through a generation's event queue: the stream reads deltas, then its ending.
-
-    Only the last delta goes through the ledger (`answer`); the ones before it are put on the
-    queue directly while the request is open. An error or a cancellation also takes the
-    generation out of the running batch at the next step."""
-
-    __slots__ = ("gen",)
-
-    def __init__(self, gen: Generation) -> None:
-        self.gen = gen
-
-    def give(self, value: Delta) -> None:
-        """The last delta."""
-        self.gen.sink.put_nowait(value)
-
-    def refuse(self, err: LenbatchError) -> None:
-        """The stream raises `err`; the generation leaves its batch."""
-        self.gen.cancelled = True
-        self.gen.sink.put_nowait(err)
-
-    def withdraw(self) -> None:
-        """The caller left: the generation leaves its batch."""
-        self.gen.cancelled = True
-
-    @property
-    def abandoned(self) -> bool:
-        """Never on its own: a caller that leaves the stream cancels through the engine."""
-        return False
+__all__ = ["open_generation", "ticket_of"]
 
 
 def open_generation(
@@ -66,20 +35,12 @@ def open_generation(
     )
     gen.sink = asyncio.Queue()
     request.handle = gen
-    gen.ticket = Ticket(request, StreamReply(gen), arrival=timings.arrival)
+
+    def leave_batch() -> None:
+        gen.cancelled = True
+
+    gen.ticket = Ticket(request, SinkReply(gen.sink, leave_batch), arrival=timings.arrival)
     return gen
-
-
-async def deltas(gen: Generation) -> AsyncIterator[Delta]:
-    """The deltas of `gen` as they arrive; the last one has a finish reason. Raises the
-    request's `LenbatchError` if it fails."""
-    while True:
-        item = await gen.sink.get()
-        if isinstance(item, LenbatchError):
-            raise item
-        yield item
-        if item.finish_reason is not None:
-            return
 
 
 def ticket_of(gen: Generation) -> Ticket[Delta]:

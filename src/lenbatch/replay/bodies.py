@@ -77,17 +77,15 @@ def corpus_units(source: str) -> tuple[tuple[str, str], ...]:
 
 
 def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a served model (alias such as `minilm` or `smollm2`, a `.gguf` file, or
-    a local folder)."""
-    from transformers import AutoTokenizer
+    """The Hugging Face tokenizer of a served model (alias such as `minilm` or `smollm2`, a
+    `.gguf` file, or a local folder): the one `lenbatch serve` tokenizes with, no weights."""
+    from lenbatch.runners.loading import load_tokenizer as load_text_tokenizer
+    from lenbatch.runners.tokenizer import TextTokenizer
 
-    from lenbatch.runners import resolve_model
-
-    gguf = _gguf_ref(model)
-    if gguf is not None:  # a causal LM shipped as GGUF (SmolLM2): its tokenizer is inside
-        return AutoTokenizer.from_pretrained(gguf.folder, gguf_file=gguf.gguf_file)
-    folder, _ = resolve_model(model)
-    return AutoTokenizer.from_pretrained(folder)
+    text = load_text_tokenizer(model)
+    if not isinstance(text, TextTokenizer):
+        raise ValueError(f"model {model!r} has no Hugging Face tokenizer")
+    return text.tokenizer
 
 
 def _gguf_ref(model: str) -> Any:

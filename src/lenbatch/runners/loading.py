@@ -79,14 +79,23 @@ def load_runner(
     )
 
 
-def load_tokenizer(name: str, max_length: int) -> TextTokenizer | EmbeddingRunner:
-    """The tokenizer of the embedding model called `name` (alias or folder) and nothing else:
-    no weights are loaded. It cuts at `max_length` tokens when asked, keeping the first ones,
-    as the encoder runners do. For the `fake?...` test models, the fake runner itself (it has
-    no weights; it tokenizes as it does when served)."""
+def load_tokenizer(name: str, max_length: int | None = None) -> TextTokenizer | EmbeddingRunner:
+    """The tokenizer of the model called `name` and nothing else: no weights are loaded.
+
+    `name` is what `lenbatch serve --model` takes: an encoder (alias or folder), whose texts
+    are cut keeping their first tokens as the encoder runners do, or a causal LM (`smollm2`, a
+    `.gguf` file, a causal folder), whose prompts are cut keeping their last tokens as the
+    causal runner does. `max_length` is where it cuts (default: the tokenizer's own limit). For
+    the `fake?...` test models, the fake runner itself (it has no weights; it tokenizes as it
+    does when served)."""
     if name.partition("?")[0].lower() == "fake":
         from lenbatch.runners.faulty import runner_from_spec
 
         return runner_from_spec(name)
+    from lenbatch.runners.causal import resolve_causal_model
+
+    ref = resolve_causal_model(name)
+    if ref is not None:
+        return TextTokenizer.load(ref.folder, max_length, keep="tail", gguf_file=ref.gguf_file)
     folder, _ = resolve_model(name)
     return TextTokenizer.load(folder, max_length, keep="head")

@@ -31,6 +31,8 @@ __all__ = ["Pairs", "TextTokenizer"]
 # Characters per token that a truncating cut leaves room for (English averages about 4): a cut
 # text that still yields fewer tokens than the limit is tokenized whole (exact either way).
 _CHARS_PER_TOKEN_BOUND = 16
+# Tokenizers that state no limit report a huge sentinel (about 1e30); below this is a real one.
+_NO_LIMIT = 10**6
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +58,22 @@ class TextTokenizer:
     def load(
         cls,
         folder: str | Path,
-        max_length: int,
+        max_length: int | None = None,
         *,
         keep: Literal["head", "tail"] = "head",
         gguf_file: str | None = None,
     ) -> TextTokenizer:
         """The tokenizer of the model in `folder` (or of `gguf_file` inside it), with no
-        weights loaded."""
+        weights loaded; it cuts at `max_length` (default: the tokenizer's own limit, if it
+        states one)."""
         from transformers import AutoTokenizer
 
         extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-        return cls(AutoTokenizer.from_pretrained(Path(folder), **extra), max_length, keep=keep)
+        tokenizer = AutoTokenizer.from_pretrained(Path(folder), **extra)
+        if max_length is None:
+            stated = tokenizer.model_max_length
+            max_length = int(stated) if stated < _NO_LIMIT else _NO_LIMIT
+        return cls(tokenizer, max_length, keep=keep)
 
     # ------------------------------------------------------------------ facts
 
@@ -85,7 +92,7 @@ class TextTokenizer:
     def model_max_length(self) -> int | None:
         """The tokenizer's own length limit, if it states a real one."""
         n = self.tokenizer.model_max_length
-        return int(n) if n < 10**6 else None
+        return int(n) if n < _NO_LIMIT else None
 
     @property
     def has_chat_template(self) -> bool:

@@ -93,14 +93,19 @@ class Ingress:
         completions and chat for a causal LM, else embeddings."""
         from lenbatch.generate.prompts import Prompts
         from lenbatch.runners.loading import load_tokenizer
+        from lenbatch.runners.tokenizer import TextTokenizer
         from lenbatch.scaleout.frontend import Frontend
         from lenbatch.scaleout.lmfrontend import LMFrontend
-        from lenbatch.scaleout.replica import load_causal_tokenizer
 
         s = self.settings
         timeout = s.admission.request_timeout_s
         if info.kind == "generate":
-            prompts = Prompts(load_causal_tokenizer(s, info.max_length), info, s.generation)
+            text = load_tokenizer(s.model.name, info.max_length)  # cuts where they cut
+            if not isinstance(text, TextTokenizer):
+                raise ValueError(
+                    f"model {s.model.name!r} is served as a causal LM but has no tokenizer"
+                )
+            prompts = Prompts(text, info, s.generation)
             return LMFrontend(
                 engines, board, prompts, boundaries, routing=routing, request_timeout=timeout
             )

@@ -75,8 +75,9 @@ def own_call_id() -> None:
 
     from ray.serve import context as serve_context
 
-    current = serve_context._get_serve_request_context()
-    serve_context._serve_request_context.set(
+    # Ray has no public call for this: its own request context is private (tested with 2.60).
+    current = serve_context._get_serve_request_context()  # noqa: SLF001
+    serve_context._serve_request_context.set(  # noqa: SLF001
         dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
     )
 

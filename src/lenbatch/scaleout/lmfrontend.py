@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
 
-from lenbatch.generate.prompts import Prompts
+from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.calls import RelayedError, StreamCut
 from lenbatch.scaleout.ingress import IngressSettings, RayFrontend
@@ -84,7 +84,7 @@ class RemoteSequence:
             relay.cancel()
 
 
-class LMFrontend(RayFrontend[Delta]):
+class LMFrontend(PromptCalls, RayFrontend[Delta]):
     """The `GenerationService` of the ingress: routes prompts to the LM replicas by length."""
 
     def __init__(
@@ -97,14 +97,10 @@ class LMFrontend(RayFrontend[Delta]):
     ) -> None:
         """`prompts` tokenizes and checks prompts with the model's tokenizer alone."""
         super().__init__(handle, board, prompts.info, boundaries, **settings)
+        # The prompt calls (`PromptCalls`) go through `Prompts`, as the single server's
+        # engine makes them: the same ids and the same refusals from either.
         self.prompts = prompts
         self.generation = prompts.generation
-        # The prompt calls are `Prompts`' own, as the single server's engine makes them: the
-        # same ids and the same refusals from either.
-        self.has_chat_template = prompts.has_chat_template
-        self.prompt_ids = prompts.ids
-        self.chat_prompt = prompts.chat
-        self.context_left = prompts.context_left
         self._stream_handle = handle.options(stream=True)
 
     def _release(self) -> None:

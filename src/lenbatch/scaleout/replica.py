@@ -27,7 +27,6 @@ from lenbatch.config import Settings, Strategy
 from lenbatch.core.errors import LenbatchError
 from lenbatch.embed.engine import Engine
 from lenbatch.runners.base import ModelInfo
-from lenbatch.runners.tokenizer import TextTokenizer
 
 __all__ = [
     "EngineReplica",
@@ -35,7 +34,6 @@ __all__ = [
     "ReplicaShell",
     "error_fields",
     "load_causal",
-    "load_causal_tokenizer",
     "model_info",
 ]
 
@@ -192,17 +190,6 @@ class LMReplica(ReplicaShell):
 def model_info(facts: dict[str, Any]) -> ModelInfo:
     """The served model's facts from what a replica's `info()` answered."""
     return ModelInfo(**facts["model"])
-
-
-def load_causal_tokenizer(settings: Settings, max_length: int) -> TextTokenizer:
-    """The settings' causal LM's tokenizer alone (no weights), cutting prompts as its runner
-    does (the last tokens kept) at `max_length`, the context the replicas serve."""
-    from lenbatch.runners.causal import resolve_causal_model
-
-    ref = resolve_causal_model(settings.model.name)
-    if ref is None:
-        raise ValueError("the model is not a causal LM")
-    return TextTokenizer.load(ref.folder, max_length, keep="tail", gguf_file=ref.gguf_file)
 
 
 def load_causal(settings: Settings, device: str, threads: int) -> Any:

@@ -1,0 +1,77 @@
+"""Which model to serve and how to run it: one `[model]` table, or each entry of `[[models]]`."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from lenbatch.config.fields import FROZEN
+
+__all__ = ["ModelConfig", "ModelTask", "Quantization"]
+
+
+class ModelTask(StrEnum):
+    """What a served model does, which decides its routes and its runner."""
+
+    AUTO = "auto"  # from the model folder's config.json (see `runners.tasks.resolve_task`)
+    EMBED = "embed"  # /v1/embeddings
+    GENERATE = "generate"  # /v1/completions and /v1/chat/completions (a causal LM)
+    SCORE = "score"  # one relevance score per (query, document) pair (a cross-encoder)
+    CLASSIFY = "classify"  # labels and their probabilities per input
+
+
+class Quantization(StrEnum):
+    """How a model's weights are stored, apart from the float type of its activations."""
+
+    NONE = "none"  # the weights in the model's float type (`dtype`)
+    INT8 = "int8"  # 8-bit integer weights (no runner implements it yet: refused at start-up)
+    INT4 = "int4"  # 4-bit integer weights (no runner implements it yet: refused at start-up)
+
+
+class ModelConfig(BaseModel):
+    """Which model to serve and how to run it: the `[model]` table, or one `[[models]]` entry."""
+
+    model_config = FROZEN
+
+    name: str = "minilm"
+    """`minilm` (the bundled all-MiniLM-L6-v2), `smollm2` (the demo causal LM), a path to a
+    local Hugging Face model folder, or a .gguf file."""
+    served_name: str | None = None
+    """The `model` name clients call it by and responses report (None: the built-in model's
+    name, or the folder's or file's name). For a single model, `[server] served_model_name`
+    sets it too."""
+    task: ModelTask = ModelTask.AUTO
+    """embed, generate, score, classify, or auto: from the folder's config.json (a causal LM
+    generates; `*ForSequenceClassification` scores with one label, else classifies; any other
+    model embeds)."""
+    truncate: bool = False
+    """Default for requests that do not say: truncate inputs over the model limit (else: error)."""
+    max_length: int | None = Field(None, ge=1)
+    """Override the model's input limit in tokens (never above what the model supports)."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:1, ..."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads for torch on CPU (None: torch's default)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
+    the hardware runs it natively, else float32). The start-up log says what was picked and why."""
+    quantization: Quantization = Quantization.NONE
+    """Weight quantization, apart from `dtype`: none, int8 or int4. A runner that does not
+    implement the one asked for refuses to start (no runner implements int8 or int4 yet)."""
+    cost_model: str | None = None
+    """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
+    (the one in `$LENBATCH_COST_DIR`, default the source checkout's `bench/results/`, measured
+    on this processor) or a live adaptive server's URL (its online fit); serve warns at
+    start-up when a file was measured on another processor (or does not say)."""
+    execution: Literal["auto", "padded", "packed"] = "auto"
+    """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
+    tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`
+    (packed where the model supports it, else padded)."""
+
+    def default_served_name(self) -> str:
+        """The served name when none is given, as far as the config can tell: the folder's or
+        file's name (`.gguf` dropped). A built-in model reports its own name at run time."""
+        return Path(self.name).expanduser().name.removesuffix(".gguf") or self.name
