@@ -1,4 +1,4 @@
-"""The request path of issue 14: truncating cuts before tokenizing (exactly), a 1 MB input
+"""The request path: truncating cuts before tokenizing (exactly), a 1 MB input
 among one-line requests over HTTP, and orjson's float and base64 encodings."""
 
 from __future__ import annotations

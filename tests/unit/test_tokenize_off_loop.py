@@ -1,5 +1,5 @@
 """Tokenization runs in a worker thread, never on the event loop: one huge input being
-tokenized holds up no small request (the 1 MB-with-`truncate` case of issue 14)."""
+tokenized holds up no small request (a 1 MB input with `truncate`)."""
 
 from __future__ import annotations
 

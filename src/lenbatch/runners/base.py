@@ -46,7 +46,7 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class RunnerMemory:
-    """Memory a runner accounts for, in bytes, kept apart as the seed asks."""
+    """Memory a runner accounts for, in bytes: weights apart from activations."""
 
     weights: int
     peak_activations: int  # peak over the process lifetime beyond weights (CPU: RSS-based)

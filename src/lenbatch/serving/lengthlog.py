@@ -2,7 +2,7 @@
 
 Fields: `id` (anonymous), `arrival` (unix seconds), `length` (tokens), `bucket` (label),
 `queue_wait_ms`, `exec_ms`, `status`. `lenbatch analyze` and `lenbatch fit` read this file, which
-closes the loop the seed describes: serve, log lengths, re-fit boundaries from real traffic.
+closes the loop: serve, log lengths, re-fit the boundaries from real traffic.
 """
 
 from __future__ import annotations
