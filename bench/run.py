@@ -53,6 +53,8 @@ def table_text(kind: str, paths: Sequence[str], slo_ms: float, cost: str) -> str
         return tables.ray_scaleout_table(files, slo_ms)
     if kind == "runners-live":
         return "\n\n".join(tables.runners_live_table(p) for p in files)
+    if kind == "before-after":
+        return "\n\n".join(tables.before_after_table(p) for p in files)
     runs = [tables.AdaptiveRun.parse(p) for p in paths]
     return tables.adaptive_live_table(runs, Path(cost), slo_ms)
 

@@ -18,6 +18,7 @@ Nothing here runs a server or times anything; every function reads files and ret
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,13 @@ __all__ = [
     "TABLES",
     "AdaptiveRun",
     "adaptive_live_table",
+    "before_after_table",
     "llm_decode_table",
     "ray_scaleout_table",
     "runners_live_table",
 ]
 
-TABLES = ("llm-decode", "ray-scaleout", "runners-live", "adaptive-live")
+TABLES = ("llm-decode", "ray-scaleout", "runners-live", "adaptive-live", "before-after")
 
 
 def _cell(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
@@ -46,6 +48,47 @@ def _runs(folder: Path) -> list[dict[str, Any]]:
     """The run records (`runs/*.json`) of one `lenbatch bench --report` folder, by rate."""
     runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("runs/*.json"))]
     return sorted(runs, key=lambda r: float(r["rate"]))
+
+
+# --- before-after --------------------------------------------------------------------------
+
+
+def before_after_table(root: Path, tolerance: float = 0.10) -> str:
+    """The same `lenbatch bench` sweep run several times on two trees (`root/before-N`,
+    `root/after-N`, run alternately): per strategy and rate, the median real tokens/s and P95
+    of each side with every run's figure, and after/before. A ratio further than `tolerance`
+    from 1 in the worse direction (fewer tokens/s, higher P95) is marked."""
+    cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for side in ("before", "after"):
+        for folder in sorted(root.glob(f"{side}-*")):
+            for run in _runs(folder):
+                key = (str(run["name"]), float(run["rate"]))
+                cells.setdefault(key, {}).setdefault(side, []).append(run["summary"])
+    lines = [
+        "| strategy | rate | real tok/s before: median (runs) | after | after / before "
+        "| P95 ms before: median (runs) | after | after / before | errors % before / after |",
+        "|---|---:|---|---|---:|---|---|---:|---|",
+    ]
+    for (name, rate), sides in sorted(cells.items()):
+        before, after = sides.get("before", []), sides.get("after", [])
+        if not before or not after:
+            continue
+        row = [f"`{name}`", f"x{rate:g}"]
+        for field, spec, worse in (("real_tokens_per_s", ",.0f", -1), ("p95_ms", ",.0f", 1)):
+            b = [float(x[field]) for x in before]
+            a = [float(x[field]) for x in after]
+            ratio = statistics.median(a) / statistics.median(b)
+            mark = " **(worse)**" if (ratio - 1) * worse > tolerance else ""
+            for values in (b, a):
+                runs = ", ".join(f"{v:{spec}}" for v in values)
+                row.append(f"{statistics.median(values):{spec}} ({runs})")
+            row.append(f"{ratio:.2f}{mark}")
+        errors = (
+            ", ".join(f"{100 * float(x['error_rate']):.1f}" for x in v) for v in (before, after)
+        )
+        row.append(" / ".join(errors))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 # --- llm-decode ---------------------------------------------------------------------------

@@ -300,3 +300,37 @@ def test_llm_decode_table_reads_a_replay_summary_and_its_server_stats(
     (tmp_path / "after-x0.3.stats.json").write_text(json.dumps(stats), encoding="utf-8")
     text = bench_runner.table_text("llm-decode", [str(tmp_path / "after-x0.3.json")], 1e3, "")
     assert "| after-x0.3 | 9/10 | 120 / 900 | 40 / – | 51.2 | 4.50 s | 61.0 | 3.5 |" in text
+
+
+def test_before_after_table_gives_medians_ratios_and_marks_a_regression(
+    bench_runner: Any, tmp_path: Path
+) -> None:
+    """Medians of each side's runs, after/before, and a mark where after is worse by more
+    than 10 % (here: P95 up 50 % at x4), none where it is within."""
+    figures = {  # side -> rate -> (tok/s, P95 ms) of runs 1..3
+        "before": {
+            2: [(650, 200), (652, 210), (640, 400)],
+            4: [(1300, 300), (1290, 320), (1310, 310)],
+        },
+        "after": {
+            2: [(651, 205), (652, 190), (650, 215)],
+            4: [(1295, 480), (1300, 465), (1280, 470)],
+        },
+    }
+    for side, rates in figures.items():
+        for i in range(3):
+            runs = tmp_path / f"{side}-{i + 1}" / "runs"
+            runs.mkdir(parents=True)
+            for rate, values in rates.items():
+                tok, p95 = values[i]
+                run = {"name": "bucketed", "rate": rate, "summary": {
+                    "real_tokens_per_s": tok, "p95_ms": p95, "error_rate": 0.0}}  # fmt: skip
+                (runs / f"bucketed@x{rate}.json").write_text(json.dumps(run), encoding="utf-8")
+    text = bench_runner.table_text("before-after", [str(tmp_path)], 1e3, "")
+    rows = [line for line in text.splitlines() if line.startswith("| `bucketed`")]
+    assert len(rows) == 2
+    assert (
+        "| x2 | 650 (650, 652, 640) | 651 (651, 652, 650) | 1.00 | 210 (200, 210, 400)" in rows[0]
+    )
+    assert "**(worse)**" not in rows[0]
+    assert rows[1].count("**(worse)**") == 1 and "| 1.52 **(worse)** |" in rows[1]
