@@ -1,13 +1,6 @@
-"""The settings tree, and where it is read from: a file, the environment and flags, merged in
-one place.
-
-`Settings` is what `lenbatch serve` runs with. Its `batching` part is resolved, once the model's
-length limit is known, into the pure scheduler's own config (`lenbatch.core.lanes`).
-
-Precedence, lowest first: defaults < config file (TOML or YAML) < `LENBATCH_*` environment
-variables < command-line flags. Environment variables name a field as
-`LENBATCH_<SECTION>__<FIELD>` (e.g. `LENBATCH_BATCHING__MAX_WAIT_MS=5`).
-"""
+"""The whole settings tree (`Settings`: the sections, and the models to serve) and
+`load_settings`, which merges defaults, a config file (TOML or YAML), `LENBATCH_*` environment
+variables and flags, in that order of precedence (see the package's docstring)."""
 
 from __future__ import annotations
 
