@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +46,7 @@ from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.messages import Delta, SamplingParams
-from lenbatch.serving.streams import read_deltas
+from lenbatch.serving.streams import DeltaStreams
 
 __all__ = ["GenerationEngine", "Scheduled"]
 
@@ -63,7 +62,7 @@ class Scheduled:
     wake_at: float | None
 
 
-class GenerationEngine(PromptCalls, BaseEngine[Delta]):
+class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta]):
     """Length-bucketed admission and lockstep or continuous decoding in front of a causal LM."""
 
     _join_workers_on_stop = True  # a unit may still be running on the model
@@ -224,23 +223,6 @@ class GenerationEngine(PromptCalls, BaseEngine[Delta]):
         self.ledger.admit([ticket_of(gen)])
         self._kick()
         return gen
-
-    async def stream(self, gen: Generation) -> AsyncIterator[Delta]:
-        """The deltas of `gen` as they are generated; the last one has a finish reason.
-
-        Raises the request's `LenbatchError` if it fails. Leaving early (break, cancellation,
-        client gone) cancels the request so it stops costing compute.
-        """
-        try:
-            async for delta in read_deltas(gen.sink):
-                yield delta
-        finally:
-            self.cancel(gen)
-
-    def cancel(self, gen: Generation) -> None:
-        """The caller is gone: leave the queue, or leave the batch at the next step."""
-        if gen.ticket is not None:
-            self.ledger.cancel(gen.ticket)
 
     # ------------------------------------------------------------------ the loop
 

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any, Unpack
 
 from lenbatch.generate.prompts import PromptCalls, Prompts
@@ -33,7 +33,7 @@ from lenbatch.scaleout.calls import RelayedError, StreamCut
 from lenbatch.scaleout.ingress import IngressSettings, RayFrontend
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams, SubmitOptions
-from lenbatch.serving.streams import DeltaQueue, SinkReply, read_deltas
+from lenbatch.serving.streams import DeltaQueue, DeltaStreams, SinkReply
 
 __all__ = ["LMFrontend", "RemoteSequence"]
 
@@ -84,7 +84,7 @@ class RemoteSequence:
             relay.cancel()
 
 
-class LMFrontend(PromptCalls, RayFrontend[Delta]):
+class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
     """The `GenerationService` of the ingress: routes prompts to the LM replicas by length."""
 
     def __init__(
@@ -129,22 +129,6 @@ class LMFrontend(PromptCalls, RayFrontend[Delta]):
             seq.relay = asyncio.create_task(self._settle(seq.ticket, self._relay(seq)))
             seqs.append(seq)
         return seqs
-
-    async def stream(self, handle: RemoteSequence) -> AsyncIterator[Delta]:
-        """The deltas of one prompt as its replica generates them; the last has a finish
-        reason. Raises its error (`replica_failed` if its replica died after tokens went out);
-        leaving early cancels it."""
-        try:
-            async for delta in read_deltas(handle.sink):
-                yield delta
-        finally:
-            self.cancel(handle)
-
-    def cancel(self, handle: RemoteSequence) -> None:
-        """The caller is gone (or the stream ended): stop the replica's sequence if it still
-        runs (idempotent)."""
-        if handle.ticket is not None:
-            self.ledger.cancel(handle.ticket)
 
     async def _relay(self, seq: RemoteSequence) -> Delta:
         """Relay `seq` from a replica of its group, again from another replica if its replica

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 from lenbatch.core.errors import LenbatchError
+from lenbatch.serving.ledger import Ledger, Ticket
 from lenbatch.serving.messages import Delta
 
-__all__ = ["DeltaQueue", "SinkReply", "read_deltas"]
+__all__ = ["DeltaQueue", "DeltaStreams", "SinkReply", "StreamHandle", "read_deltas"]
 
 DeltaQueue = asyncio.Queue[Delta | LenbatchError]
 """Deltas of one sequence, then its last delta (one with a finish reason) or its error."""
@@ -60,3 +62,37 @@ async def read_deltas(sink: DeltaQueue) -> AsyncIterator[Delta]:
         yield item
         if item.finish_reason is not None:
             return
+
+
+class StreamHandle(Protocol):
+    """A generated sequence as its service keeps it: its delta queue and its ledger ticket
+    (None until admitted)."""
+
+    sink: Any  # its `DeltaQueue`
+    ticket: Ticket[Delta] | None
+
+
+H = TypeVar("H", bound=StreamHandle)
+
+
+class DeltaStreams(Generic[H]):
+    """`stream` and `cancel` of a `GenerationService` whose handles carry a delta queue and a
+    ledger ticket: the generation engine and the Ray ingress's LM front-end alike."""
+
+    ledger: Ledger[Delta]
+
+    async def stream(self, handle: H) -> AsyncIterator[Delta]:
+        """The deltas of one prompt as they are generated; the last has a finish reason.
+        Raises the request's `LenbatchError` if it fails. Leaving early (break, cancellation,
+        the client gone) cancels it, so it stops costing compute."""
+        try:
+            async for delta in read_deltas(handle.sink):
+                yield delta
+        finally:
+            self.cancel(handle)
+
+    def cancel(self, handle: H) -> None:
+        """The caller is gone (or the stream ended): take the prompt out of its queue, or out
+        of its batch at the next step (idempotent)."""
+        if handle.ticket is not None:
+            self.ledger.cancel(handle.ticket)
