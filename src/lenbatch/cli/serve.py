@@ -227,6 +227,11 @@ def run(args: argparse.Namespace) -> int:
         # packed runner would compute real tokens only and hide what padding costs.
         execution = "padded"
         log.info("execution auto: padded, because strategy static pads on purpose")
+    from lenbatch.runners.tasks import resolve_task
+
+    task = resolve_task(m.name, m.task)
+    if task in (ModelTask.SCORE, ModelTask.CLASSIFY):
+        return _serve_scorer(settings, execution, length_log)
     runner = load_runner(m.name, execution=execution, **_runner_options(m))
     engine = Engine(
         runner,
@@ -247,7 +252,40 @@ def run(args: argparse.Namespace) -> int:
     )
     _log_precision(runner)
     log.info(engine.describe())
-    serve(engine, settings)
+    serve(engine, settings, getattr(runner, "text", None))
+    return 0
+
+
+def _serve_scorer(settings: Settings, execution: str, length_log: Any) -> int:
+    """Serve a `*ForSequenceClassification` folder: rerank and score (one label) or classify."""
+    from lenbatch.embed.score_api import serve_scoring
+    from lenbatch.embed.scoring import ScoringEngine
+    from lenbatch.runners import load_runner
+    from lenbatch.runners.base import ScoringRunner
+
+    m = settings.model
+    runner = load_runner(m.name, execution=execution, head=True, **_runner_options(m))
+    assert isinstance(runner, ScoringRunner)
+    engine = ScoringEngine(
+        runner,
+        settings.batching,
+        settings.admission,
+        recovery=settings.recovery,
+        default_truncate=m.truncate,
+        length_log=length_log,
+        adaptive=settings.adaptive,
+        cost_prior=_cost_prior(_serve_cost(m.cost_model, m.device, runner)),
+    )
+    log.info(
+        "model %s: max_length=%d labels=%s activation=%s",
+        runner.info.name,
+        runner.info.max_length,
+        ",".join(runner.labels),
+        runner.activation,
+    )
+    _log_precision(runner)
+    log.info(engine.describe())
+    serve_scoring(engine, settings, getattr(runner, "text", None))
     return 0
 
 
@@ -274,7 +312,14 @@ def _check_task_and_quantization(m: ModelConfig) -> None:
 
     causal = resolve_causal_model(m.name) is not None
     if task in (ModelTask.SCORE, ModelTask.CLASSIFY):
-        raise ValueError(f"task {task.value} ({m.name!r}) is not served yet: embed or generate")
+        from lenbatch.runners.tasks import resolve_task
+
+        found = resolve_task(m.name, ModelTask.AUTO)
+        if found not in (ModelTask.SCORE, ModelTask.CLASSIFY):
+            raise ValueError(
+                f"task {task.value}: {m.name!r} has no *ForSequenceClassification head "
+                f"(its config.json says {found.value})"
+            )
     if task is ModelTask.GENERATE and not causal:
         raise ValueError(f"task generate: {m.name!r} is not a causal LM")
     if task is ModelTask.EMBED and causal:
@@ -338,7 +383,7 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     )
     _log_precision(runner)
     log.info(engine.describe())
-    return create_llm_app(engine, settings), engine
+    return create_llm_app(engine, settings, runner.text), engine
 
 
 def _runner_options(m: Any) -> dict[str, Any]:

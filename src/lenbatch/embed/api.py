@@ -17,8 +17,11 @@ from fastapi.responses import Response
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
 from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
+from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
+from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import EmbeddingService
+from lenbatch.serving.tokenize_api import add_tokenize_routes
 
 __all__ = ["create_app", "serve"]
 
@@ -35,13 +38,18 @@ _TIMEOUT_DOC = (
 )
 
 
-def create_app(engine: EmbeddingService, settings: Settings | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan."""
+def create_app(
+    engine: EmbeddingService,
+    settings: Settings | None = None,
+    tokenizer: TextTokenizer | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`; starts and drains the engine with the app's lifespan.
+    `tokenizer` (the model's) adds `/tokenize` and `/detokenize`."""
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
     accepted_names = {served, engine.info.name, settings.model.name}
 
-    app = engine_app(engine, settings, served)
+    app = engine_app(engine, settings, served, {"task": "embed"})
 
     @app.post("/v1/embeddings")
     async def embeddings(
@@ -81,6 +89,9 @@ def create_app(engine: EmbeddingService, settings: Settings | None = None) -> Fa
         }
         return Response(dumps(payload), media_type="application/json")
 
+    if tokenizer is not None:
+        add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted_names, served)
+    add_task_refusals(app, served, ["embed"])
     return app
 
 
@@ -99,6 +110,8 @@ def _inputs(
     return raw
 
 
-def serve(engine: EmbeddingService, settings: Settings) -> None:
+def serve(
+    engine: EmbeddingService, settings: Settings, tokenizer: TextTokenizer | None = None
+) -> None:
     """Serve `engine` over HTTP until SIGTERM or Ctrl-C, then drain and exit."""
-    serve_app(create_app(engine, settings), engine, settings)
+    serve_app(create_app(engine, settings, tokenizer), engine, settings)

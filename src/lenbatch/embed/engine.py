@@ -208,8 +208,15 @@ class Engine(BaseEngine[Vector]):
         limits), queue, and wait for every vector.
         """
         priority = options.get("priority", 0)
-        timeout = options.get("timeout")
         self.check_running()
+        self.check_priority(priority)
+        # Too long for the model: cut here if asked; otherwise admission refuses it (413).
+        seqs = await self.inputs.read(inputs, options.get("truncate"))
+        vectors = await self.submit_ids(seqs, None, priority, options.get("timeout"))
+        return Embedded(vectors, sum(len(x) for x in seqs))
+
+    def check_priority(self, priority: int) -> None:
+        """Raise `BadInput` unless `priority` is one of this server's levels."""
         if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
             allowed = (
                 "0 (this server has one priority level: start it with --priority-levels N for more)"
@@ -217,8 +224,17 @@ class Engine(BaseEngine[Vector]):
                 else f"an integer in [0, {self.priority_levels - 1}] (higher runs first)"
             )
             raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
-        # Too long for the model: cut here if asked; otherwise admission refuses it (413).
-        seqs = await self.inputs.read(inputs, options.get("truncate"))
+
+    async def submit_ids(
+        self,
+        seqs: list[list[int]],
+        segments: list[list[int]] | None,
+        priority: int,
+        timeout: float | None,
+    ) -> list[Vector]:
+        """Admit tokenized inputs (with their segment ids, if pairs), queue each by its length,
+        and wait for every row; raises the refusal or the first failure (its message starts
+        with the failing input's index when there are several)."""
         self.check_running()  # drained while this request was tokenizing
         loop = asyncio.get_running_loop()
         now = self.clock.now()
@@ -238,10 +254,12 @@ class Engine(BaseEngine[Vector]):
                 self.metrics.record_shed("admission")
                 raise shed
         requests: list[Request[Ticket[Vector]]] = []
-        for x in seqs:
+        for i, x in enumerate(seqs):
             r: Request[Ticket[Vector]] = Request(
                 len(x), now, x, deadline=deadline, priority=priority
             )
+            if segments is not None:
+                r.token_type_ids = segments[i]
             r.handle = Ticket(r, FutureReply(loop.create_future()))
             r.due = due
             lane = self.queues.push(r)
@@ -254,8 +272,7 @@ class Engine(BaseEngine[Vector]):
         self.ledger.admit(r.handle for r in requests)
         self._kick()
         try:
-            vectors = list(await asyncio.gather(*(_future(r) for r in requests)))
-            return Embedded(vectors, sum(len(x) for x in seqs))
+            return list(await asyncio.gather(*(_future(r) for r in requests)))
         except LenbatchError as err:
             culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)
             if len(requests) == 1 or culprit is None:

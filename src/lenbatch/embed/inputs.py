@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from typing import Any, TypeVar, cast
 
 from lenbatch.core.errors import BadInput
 from lenbatch.serving.messages import Inputs
 
 __all__ = ["InputReader", "Inputs", "Tokenize", "check_texts", "token_ids", "tokenize_checked"]
+
+T = TypeVar("T")
 
 Tokenize = Callable[[Sequence[str], bool], list[list[int]]]
 """A tokenizer's `tokenize(texts, truncate)`: token ids per text, cut to the limit if asked."""
@@ -121,6 +123,12 @@ class InputReader:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._pool, self.token_ids, inputs, truncate)
         return self.token_ids(inputs, truncate)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in one of the tokenizing threads (other tokenizing work, such as a
+        scorer's pairs, shares them)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         """Stop the worker threads (an input still tokenizing finishes first)."""

@@ -32,9 +32,12 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
+from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, error_response, unless_disconnected
 from lenbatch.serving.messages import Delta
+from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import GenerationHandle, GenerationService
+from lenbatch.serving.tokenize_api import add_tokenize_routes
 
 __all__ = ["create_llm_app"]
 
@@ -51,13 +54,19 @@ _Timeout = Annotated[
 ]
 
 
-def create_llm_app(engine: GenerationService[Any], settings: Settings | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; starts and drains it with the app's lifespan."""
+def create_llm_app(
+    engine: GenerationService[Any],
+    settings: Settings | None = None,
+    tokenizer: TextTokenizer | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`; starts and drains it with the app's lifespan.
+    `tokenizer` (the model's) adds `/tokenize` and `/detokenize`."""
     settings = settings or Settings()
     served = settings.server.served_model_name or engine.info.name
     accepted = {served, engine.info.name, settings.model.name}
 
-    app = engine_app(engine, settings, served, {"max_model_len": engine.info.max_length})
+    card = {"max_model_len": engine.info.max_length, "task": "generate"}
+    app = engine_app(engine, settings, served, card)
 
     def accept(body: CommonOptions) -> float:
         """The arrival time of a call this server can honour; raises its 400 or 404."""
@@ -93,6 +102,9 @@ def create_llm_app(engine: GenerationService[Any], settings: Settings | None = N
         seqs = engine.submit_all([prompt], params, arrival=arrival, timeout=x_request_timeout)
         return await _respond(request, engine, seqs, body, served, chat=True)
 
+    if tokenizer is not None:
+        add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted, served)
+    add_task_refusals(app, served, ["generate"])
     return app
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lenbatch.core.collate import Collated, Packed
+from lenbatch.runners.tokenizer import Pairs
 
 if TYPE_CHECKING:  # torch only for annotations: the protocols import without it
     import torch
@@ -27,6 +28,7 @@ __all__ = [
     "ModelInfo",
     "PackedEmbeddingRunner",
     "RunnerMemory",
+    "ScoringRunner",
 ]
 
 
@@ -42,6 +44,7 @@ class ModelInfo:
     vocab_size: int
     dim: int = 0  # embedding width (0 if not an embedding model)
     kind: Literal["embedding", "generate"] = "embedding"
+    normalized: bool = False  # vectors are L2-normalised (a `dimensions` cut re-normalises)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,20 @@ class PackedEmbeddingRunner(EmbeddingRunner, Protocol):
 
     def embed_packed(self, batch: Packed) -> npt.NDArray[np.float32]:
         """One float32 vector per row of the packed batch, `[rows, dim]`."""
+        ...
+
+
+@runtime_checkable
+class ScoringRunner(EmbeddingRunner, Protocol):
+    """A sequence-classification head (`runners.scorer`): each row's "vector" is its raw
+    logits, `[rows, num_labels]`; (query, document) pairs are tokenized as pairs."""
+
+    labels: list[str]  # label names in logit order (`id2label`)
+    problem_type: str | None  # transformers' `problem_type` (multi-label: sigmoid per label)
+    activation: str  # CrossEncoder's default: sigmoid, identity, tanh or softmax
+
+    def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> Pairs:
+        """Ids and segment ids of each pair; truncation cuts the document, never the query."""
         ...
 
 

@@ -64,6 +64,8 @@ def read_pooling(folder: Path) -> tuple[str, bool, int | None]:
 class EncoderRunner:
     """Runs an encoder on collated batches and pools each row into one vector."""
 
+    pools = True  # pools hidden states into a vector (a scorer's head does its own pooling)
+
     def __init__(
         self,
         folder: str | Path,
@@ -74,7 +76,7 @@ class EncoderRunner:
         torch_threads: int | None = None,
         dtype: str = "float32",
     ) -> None:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.folder = Path(folder)
         if torch_threads:
@@ -82,11 +84,9 @@ class EncoderRunner:
         self.device = torch.device(device)
         self.precision = resolve_precision(dtype, device)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
-        self.model: Any = (
-            AutoModel.from_pretrained(self.folder).to(self.device, dtype=self._load_dtype()).eval()
-        )
+        self.model: Any = self._load_model().to(self.device, dtype=self._load_dtype()).eval()
         self.pooling, self.normalize, st_max = read_pooling(self.folder)
-        if not (self.folder / "modules.json").exists():
+        if self.pools and not (self.folder / "modules.json").exists():
             log.warning(
                 "no sentence-transformers config in %s: mean pooling, no normalize", self.folder
             )
@@ -110,13 +110,28 @@ class EncoderRunner:
             # is correct there. Left-padded absolute-position models need them explicitly.
             needs_position_ids=self.tokenizer.padding_side == "left",
             vocab_size=int(cfg.vocab_size),
-            dim=int(cfg.hidden_size),
+            dim=self._output_width(cfg),
+            normalized=self.normalize,
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="head")
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _load_model(self) -> Any:
+        """The encoder whose hidden states are pooled (subclasses load a head around it)."""
+        from transformers import AutoModel
+
+        return AutoModel.from_pretrained(self.folder)
+
+    def _output_width(self, cfg: Any) -> int:
+        """Width of one output row: the hidden size for a pooled vector."""
+        return int(cfg.hidden_size)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        return self.text.decode(ids)
 
     def _load_dtype(self) -> torch.dtype:
         """The float type the model's weights are loaded in (subclasses may keep float32)."""

@@ -39,8 +39,10 @@ def load_runner(
     torch_threads: int | None = None,
     dtype: str = "float32",
     execution: str = "padded",
+    head: bool = False,
 ) -> EmbeddingRunner:
-    """Load the model called `name` (alias or folder) as an embedding runner.
+    """Load the model called `name` (alias or folder) as an embedding runner, or with
+    `head` as a sequence-classification scorer (`runners.scorer`: raw logits per row).
 
     `fake?...` is a hidden alias for tests: a deterministic fake runner with an optional
     per-batch cost and injected faults (see `lenbatch.runners.faulty.runner_from_spec`).
@@ -57,13 +59,24 @@ def load_runner(
 
     folder, served = resolve_model(name)
     runner_class: type[EncoderRunner] = EncoderRunner
+    if head:
+        from lenbatch.runners.scorer import ScorerRunner
+
+        runner_class = ScorerRunner
     if execution != "padded":
         from transformers import AutoConfig
 
         from lenbatch.runners.packed import PackedEncoderRunner, supports_packing
 
-        ok, why = supports_packing(AutoConfig.from_pretrained(folder))
-        if ok:
+        config = AutoConfig.from_pretrained(folder)
+        ok, why = supports_packing(config)
+        if ok and head:
+            ok, why = _packable_head(config)
+        if ok and head:
+            from lenbatch.runners.scorer import PackedScorerRunner
+
+            runner_class = PackedScorerRunner
+        elif ok:
             runner_class = PackedEncoderRunner
         elif execution == "packed":
             raise ValueError(f"execution packed is not available for {name!r}: {why}")
@@ -77,6 +90,15 @@ def load_runner(
         torch_threads=torch_threads,
         dtype=dtype,
     )
+
+
+def _packable_head(config: object) -> tuple[bool, str]:
+    """Whether a scorer's head runs after the packed encoder (BERT's pooler + classifier),
+    told from its config's architectures, before any weights are read."""
+    archs = list(getattr(config, "architectures", None) or ())
+    if archs and all(a != "BertForSequenceClassification" for a in archs):
+        return False, f"head {archs[0]} is not BertForSequenceClassification"
+    return True, "BERT sequence-classification head"
 
 
 def load_tokenizer(name: str, max_length: int | None = None) -> TextTokenizer | EmbeddingRunner:

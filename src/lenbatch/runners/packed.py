@@ -144,6 +144,16 @@ class PackedEncoderRunner(EncoderRunner):
     @torch.inference_mode()
     def embed_packed(self, batch: Packed) -> npt.NDArray[np.float32]:
         """One vector per row of a packed batch: forward on real tokens, pool, normalise."""
+        x = self.hidden_packed(batch)
+        pooled = self._pool_packed(x, batch)
+        if self.normalize:
+            pooled = F.normalize(pooled, p=2, dim=1)
+        out: npt.NDArray[np.float32] = pooled.float().cpu().numpy()
+        return out
+
+    def hidden_packed(self, batch: Packed) -> torch.Tensor:
+        """The last layer's hidden states of a packed batch's real tokens, `[tokens, hidden]`
+        in float32 (call under `torch.inference_mode`)."""
         dev = self.device
         ids = torch.from_numpy(batch.input_ids).to(dev)
         pos = torch.from_numpy(batch.position_ids).to(dev)
@@ -160,11 +170,8 @@ class PackedEncoderRunner(EncoderRunner):
             x = layer.attn_norm(layer.attn_out(ctx).float() + x)
             del ctx
             x = layer.out_norm(layer.down(layer.act(layer.up(x))).float() + x)
-        pooled = self._pool_packed(x, batch)
-        if self.normalize:
-            pooled = F.normalize(pooled, p=2, dim=1)
-        out: npt.NDArray[np.float32] = pooled.float().cpu().numpy()
-        return out
+        hidden: torch.Tensor = x
+        return hidden
 
     def _pool_packed(self, x: torch.Tensor, batch: Packed) -> torch.Tensor:
         offsets = torch.from_numpy(batch.offsets).to(self.device)

@@ -213,6 +213,17 @@ class ScoringService(Service, Protocol):
         """The head's label names in logit order (`id2label`)."""
         ...
 
+    @property
+    def activation(self) -> str:
+        """sentence-transformers' `CrossEncoder` default activation for this head: sigmoid,
+        identity, tanh or softmax (a score route applies it unless raw scores are asked)."""
+        ...
+
+    @property
+    def problem_type(self) -> str | None:
+        """transformers' `problem_type` (`multi_label_classification`: sigmoid per label)."""
+        ...
+
     async def predict_with_usage(
         self, inputs: PairInputs, **options: Unpack[CallOptions]
     ) -> Predicted:
