@@ -39,7 +39,7 @@ def test_canary_never_leaks(
             {"input": [CANARY, 5]},  # mixed types
             {"input": CANARY, "encoding_format": CANARY},  # invalid format
             {"input": CANARY, "model": CANARY},  # unknown model
-            {"input": CANARY, "dimensions": 3},
+            {"input": CANARY, "dimensions": 10**6},  # above the width
             {"input": [[CANARY]]},
             {"input": {"text": CANARY}},
         ]

@@ -44,6 +44,13 @@ def register(sub: Any) -> None:
         "Causal LMs (config.json architectures *ForCausalLM / *LMHeadModel) are served with "
         "/v1/completions and /v1/chat/completions, other models with /v1/embeddings",
     )
+    p.add_argument(
+        "--default-prompt-name",
+        metavar="NAME",
+        help="embedding models: the sentence-transformers prompt (config_sentence_transformers"
+        ".json) put before inputs whose call names no prompt_name or input_type (default: the "
+        "folder's default_prompt_name, if any)",
+    )
     p.add_argument("--config", metavar="FILE", help="config file (.toml, .yaml)")
     p.add_argument(
         "--strategy",
@@ -170,6 +177,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "quantization": args.quantize,
             "execution": args.execution,
             "cost_model": args.cost,
+            "default_prompt_name": getattr(args, "default_prompt_name", None),
         },
         "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
@@ -232,7 +240,12 @@ def run(args: argparse.Namespace) -> int:
     task = resolve_task(m.name, m.task)
     if task in (ModelTask.SCORE, ModelTask.CLASSIFY):
         return _serve_scorer(settings, execution, length_log)
-    runner = load_runner(m.name, execution=execution, **_runner_options(m))
+    runner = load_runner(
+        m.name,
+        execution=execution,
+        default_prompt_name=m.default_prompt_name,
+        **_runner_options(m),
+    )
     engine = Engine(
         runner,
         settings.batching,

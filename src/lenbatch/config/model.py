@@ -47,6 +47,10 @@ class ModelConfig(BaseModel):
     """embed, generate, score, classify, or auto: from the folder's config.json (a causal LM
     generates; `*ForSequenceClassification` scores with one label, else classifies; any other
     model embeds)."""
+    default_prompt_name: str | None = None
+    """Embedding models: the sentence-transformers prompt (config_sentence_transformers.json
+    `prompts`) put before inputs whose call names none (None: the folder's own
+    `default_prompt_name`, if any). Serve refuses a name the model lacks."""
     truncate: bool = False
     """Default for requests that do not say: truncate inputs over the model limit (else: error)."""
     max_length: int | None = Field(None, ge=1)

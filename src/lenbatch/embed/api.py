@@ -16,9 +16,11 @@ from fastapi.responses import Response
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
+from lenbatch.embed.prompting import cut_dimensions, prompt_for, prompted
 from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
 from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
+from lenbatch.serving.messages import Inputs
 from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import EmbeddingService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
@@ -50,6 +52,7 @@ def create_app(
     accepted_names = {served, engine.info.name, settings.model.name}
 
     app = engine_app(engine, settings, served, {"task": "embed"})
+    has_default_prompt = engine.info.default_prompt_name is not None
 
     @app.post("/v1/embeddings")
     async def embeddings(
@@ -62,12 +65,14 @@ def create_app(
     ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
         check_model(body.model, accepted_names, served)
-        if body.dimensions is not None and body.dimensions != engine.info.dim:
-            raise BadInput(
-                f"dimensions={body.dimensions} is not supported: this model's "
-                f"vectors have {engine.info.dim} dimensions"
-            )
-        inputs = _inputs(body.input, settings.server.max_inputs_per_request)
+        info = engine.info
+        if body.dimensions is not None and body.dimensions > info.dim:
+            cut_dimensions([], body.dimensions, info.dim, info.normalized)  # raises its 400
+        inputs: Inputs = _inputs(body.input, settings.server.max_inputs_per_request)
+        if has_default_prompt or body.prompt_name is not None or body.input_type is not None:
+            prompt = prompt_for(info, body.prompt_name, body.input_type)
+            if prompt is not None:
+                inputs = prompted(inputs, prompt)
         priority = body.priority if body.priority is not None else x_priority
         work = engine.embed_with_usage(
             inputs, truncate=body.truncate, timeout=x_request_timeout, priority=priority or 0
@@ -77,9 +82,12 @@ def create_app(
             log.info("client disconnected: %d inputs withdrawn", len(inputs))
             return Response(status_code=499)
         usage = done.prompt_tokens
+        vectors = done.vectors
+        if body.dimensions is not None:
+            vectors = cut_dimensions(vectors, body.dimensions, info.dim, info.normalized)
         data = [
             {"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}
-            for i, v in enumerate(done.vectors)
+            for i, v in enumerate(vectors)
         ]
         payload = {
             "object": "list",

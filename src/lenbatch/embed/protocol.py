@@ -24,7 +24,8 @@ Input = Annotated[
 
 
 class EmbeddingRequest(BaseModel):
-    """Body of `POST /v1/embeddings`, as in OpenAI's API, plus TEI's `truncate`."""
+    """Body of `POST /v1/embeddings`, as in OpenAI's API, plus TEI's `truncate` and
+    `prompt_name` and Cohere's `input_type`."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -33,7 +34,22 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="`float` lists or `base64` little-endian float32."
     )
-    dimensions: int | None = Field(None, ge=1, description="Must equal the model's width if given.")
+    dimensions: int | None = Field(
+        None,
+        ge=1,
+        description="Keep the first N components of each vector (Matryoshka), re-normalised "
+        "when the model normalises; at most the model's width.",
+    )
+    prompt_name: str | None = Field(
+        None,
+        description="Name of one of the model's sentence-transformers prompts, put before "
+        "each text (its tokens count in usage).",
+    )
+    input_type: str | None = Field(
+        None,
+        description="Cohere's input type (search_query, search_document, classification, "
+        "clustering), mapped to the model's prompt of that name or the usual one for it.",
+    )
     user: str | None = Field(None, description="Ignored; accepted for compatibility.")
     truncate: bool | None = Field(
         None, description="Cut inputs over the model limit instead of rejecting them."

@@ -10,7 +10,7 @@ the tiny random models of `lenbatch.runners.tiny`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -45,6 +45,10 @@ class ModelInfo:
     dim: int = 0  # embedding width (0 if not an embedding model)
     kind: Literal["embedding", "generate"] = "embedding"
     normalized: bool = False  # vectors are L2-normalised (a `dimensions` cut re-normalises)
+    # sentence-transformers prompts (name -> text put before an input), and the one applied
+    # when a call names none (config_sentence_transformers.json, or `--default-prompt-name`)
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from lenbatch.runners.hardware import resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
 from lenbatch.runners.tokenizer import TextTokenizer
 
-__all__ = ["EncoderRunner", "read_pooling"]
+__all__ = ["EncoderRunner", "read_pooling", "read_prompts"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -61,6 +61,18 @@ def read_pooling(folder: Path) -> tuple[str, bool, int | None]:
     return mode, normalize, max_len
 
 
+def read_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    """(prompts by name, default prompt name) from a sentence-transformers folder's
+    config_sentence_transformers.json (none when it has no such file or no prompts)."""
+    path = folder / "config_sentence_transformers.json"
+    if not path.exists():
+        return {}, None
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    prompts = {str(k): str(v) for k, v in (cfg.get("prompts") or {}).items()}
+    default = cfg.get("default_prompt_name") or None
+    return prompts, None if default is None else str(default)
+
+
 class EncoderRunner:
     """Runs an encoder on collated batches and pools each row into one vector."""
 
@@ -75,6 +87,7 @@ class EncoderRunner:
         max_length: int | None = None,
         torch_threads: int | None = None,
         dtype: str = "float32",
+        default_prompt_name: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -101,6 +114,13 @@ class EncoderRunner:
             raise ValueError(f"max_length {max_length} exceeds the model's limit {model_limit}")
         limit = max_length or model_limit
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        prompts, folder_default = read_prompts(self.folder) if self.pools else ({}, None)
+        default_prompt = default_prompt_name or folder_default
+        if default_prompt is not None and default_prompt not in prompts:
+            raise ValueError(
+                f"default prompt name {default_prompt!r} is not one of this model's prompts "
+                f"({', '.join(sorted(prompts)) or 'it has none'})"
+            )
         self.info = ModelInfo(
             name=name or self.folder.name,
             max_length=int(limit),
@@ -112,6 +132,8 @@ class EncoderRunner:
             vocab_size=int(cfg.vocab_size),
             dim=self._output_width(cfg),
             normalized=self.normalize,
+            prompts=prompts,
+            default_prompt_name=default_prompt,
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="head")
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())

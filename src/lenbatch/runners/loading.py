@@ -40,6 +40,7 @@ def load_runner(
     dtype: str = "float32",
     execution: str = "padded",
     head: bool = False,
+    default_prompt_name: str | None = None,
 ) -> EmbeddingRunner:
     """Load the model called `name` (alias or folder) as an embedding runner, or with
     `head` as a sequence-classification scorer (`runners.scorer`: raw logits per row).
@@ -47,7 +48,8 @@ def load_runner(
     `fake?...` is a hidden alias for tests: a deterministic fake runner with an optional
     per-batch cost and injected faults (see `lenbatch.runners.faulty.runner_from_spec`).
     `execution` is `padded`, `packed` (padding-free, `runners.packed`; BERT-family only) or
-    `auto` (packed where the model supports it).
+    `auto` (packed where the model supports it). `default_prompt_name` names the
+    sentence-transformers prompt put before inputs that name none (default: the folder's).
     """
     if execution not in ("padded", "packed", "auto"):
         raise ValueError(f"execution {execution!r}: expected padded, packed or auto")
@@ -89,6 +91,7 @@ def load_runner(
         max_length=max_length,
         torch_threads=torch_threads,
         dtype=dtype,
+        default_prompt_name=default_prompt_name,
     )
 
 

@@ -64,7 +64,7 @@ BAD_BODIES: list[tuple[str, Any, int]] = [
     ("missing input", {"model": "fake"}, 400),
     ("bad encoding_format", {"input": "x", "encoding_format": CANARY}, 400),
     ("bad dimensions type", {"input": "x", "dimensions": CANARY}, 400),
-    ("wrong dimensions", {"input": "x", "dimensions": 3}, 400),
+    ("dimensions over the width", {"input": "x", "dimensions": 10**6}, 400),
     ("token id over vocab", {"input": [[101, 10**12]]}, 400),
     ("negative token id", {"input": [-1, 5]}, 400),
     ("too many inputs", {"input": ["a", "b", "c", "d", "e"]}, 400),
