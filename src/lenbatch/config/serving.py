@@ -32,7 +32,8 @@ class ServerConfig(BaseModel):
     served_model_name: str | None = None
     """The `model` name reported in responses (default: derived from the model)."""
     max_inputs_per_request: int = Field(2048, ge=1)
-    """Most inputs one /v1/embeddings call may carry."""
+    """Most inputs one call may carry: /v1/embeddings inputs, rerank documents, score pairs,
+    classify inputs."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest accepted request body."""
     cors_origins: tuple[str, ...] = ()
