@@ -108,12 +108,17 @@ def test_models_cannot_come_from_the_environment() -> None:
         load_settings(None, {"LENBATCH_MODELS__NAME": "minilm"})
 
 
-def test_serve_refuses_several_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`serve` takes one model: a config listing two is refused before anything loads."""
+def test_serve_checks_every_model_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`serve` takes several models; one that does not exist stops it before anything loads,
+    naming it. `--ray` serves one model and refuses a list, naming them."""
     status = main(["serve", "--config", str(_toml(tmp_path, TWO_MODELS))])
     err = capsys.readouterr().err
-    assert status == 2 and "lists 2 models ('embedder', '/models/ms-marco" in err
-    assert "not implemented yet" in err
+    assert status == 2 and "'/models/ms-marco-MiniLM-L-6-v2' is neither an alias" in err
+    status = main(["serve", "--ray", "--config", str(_toml(tmp_path, TWO_MODELS))])
+    err = capsys.readouterr().err
+    assert status == 2 and "--ray serves one model" in err
 
 
 def test_serve_refuses_model_flags_beside_models_tables(

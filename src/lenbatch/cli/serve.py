@@ -39,10 +39,21 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--model",
+        action="append",
         help="'minilm' (bundled all-MiniLM-L6-v2, the default), 'smollm2' (the demo LLM, "
         "SmolLM2-135M-Instruct), a path to a local Hugging Face model folder, or a .gguf file. "
         "Causal LMs (config.json architectures *ForCausalLM / *LMHeadModel) are served with "
-        "/v1/completions and /v1/chat/completions, other models with /v1/embeddings",
+        "/v1/completions and /v1/chat/completions, *ForSequenceClassification folders with "
+        "/v1/rerank, /v1/score (one label) and /classify, other models with /v1/embeddings. "
+        "Give it several times to serve several models in one process (each request's "
+        "`model` field picks one; they share the CPU)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        metavar="NAME",
+        help="the name clients call the model by (default: its folder's name; minilm: "
+        "all-MiniLM-L6-v2); with several --model, give it once per --model, in the same order",
     )
     p.add_argument(
         "--default-prompt-name",
@@ -167,18 +178,38 @@ def register(sub: Any) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Merge config file, environment and flags into validated settings."""
+    """Merge config file, environment and flags into validated settings. Several `--model`
+    flags become `[[models]]` entries (each with the model flags given), named in order by
+    `--served-model-name`."""
+    names = _as_list(args.model)
+    served = _as_list(getattr(args, "served_model_name", None))
+    if served and len(served) != len(names):
+        raise ValueError(
+            f"--served-model-name is given {len(served)} times for {len(names)} --model: "
+            "give one per --model, in the same order"
+        )
+    model: dict[str, Any] = {
+        "truncate": args.truncate,
+        "device": args.device,
+        "dtype": args.dtype,
+        "quantization": args.quantize,
+        "execution": args.execution,
+        "cost_model": args.cost,
+        "default_prompt_name": getattr(args, "default_prompt_name", None),
+    }
+    several: list[dict[str, Any]] | None = None
+    if len(names) > 1:
+        given = {k: v for k, v in model.items() if v is not None}
+        several = [
+            {"name": n, **given, "served_name": served[i] if served else None}
+            for i, n in enumerate(names)
+        ]
+        several = [{k: v for k, v in entry.items() if v is not None} for entry in several]
+        model = {}
+    else:
+        model["name"] = names[0] if names else None
     overrides: dict[str, Any] = {
-        "model": {
-            "name": args.model,
-            "truncate": args.truncate,
-            "device": args.device,
-            "dtype": args.dtype,
-            "quantization": args.quantize,
-            "execution": args.execution,
-            "cost_model": args.cost,
-            "default_prompt_name": getattr(args, "default_prompt_name", None),
-        },
+        "model": model,
         "batching": {"strategy": args.strategy, **batching_overrides(args)},
         "generation": {
             "mode": args.decode_mode,
@@ -193,53 +224,99 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "length_log": args.length_log,
             "log_level": args.log_level,
             "drain_timeout_s": args.drain_timeout,
+            "served_model_name": served[0] if len(served) == 1 and several is None else None,
         },
         "admission": {"request_timeout_s": args.request_timeout},
         "adaptive": adaptive_overrides(args),
     }
+    if several is not None:
+        overrides["models"] = several
     return load_settings(args.config, os.environ, overrides)
 
 
+def _as_list(value: Any) -> list[str]:
+    """A flag given once, several times (`append`), or not at all, as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load the model, build the engine and app, and run uvicorn until stopped."""
+    """Load the model (or each of several), build the engines and app, and run uvicorn until
+    stopped."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = settings_from_args(args)
-    settings = settings.for_model(_one_model(settings))
-    _check_task_and_quantization(settings.model)
+    models = settings.served_models()
+    if getattr(args, "ray", False):
+        models = (_one_model(settings),)  # --ray serves one model: refuse a list first
+    for m in models:
+        _check_task_and_quantization(m)
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from lenbatch.embed.api import serve
-    from lenbatch.embed.engine import Engine
-    from lenbatch.runners import load_runner
-    from lenbatch.runners.causal import resolve_causal_model
+    from lenbatch.serving.http import serve_app
     from lenbatch.serving.lengthlog import LengthLog
 
-    m = settings.model
     if getattr(args, "ray", False):
-        return _run_ray(args, settings)
+        return _run_ray(args, settings.for_model(models[0]))
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
+    if len(models) == 1:
+        one = settings.for_model(models[0])
+        built = build_model(one, length_log)
+        serve_app(built.app, built.engine, one)
+        return 0
+    from lenbatch.serving.budget import ComputeBudget
+    from lenbatch.serving.multi import build_router
+
+    served = []
+    for m in models:
+        built = build_model(settings.for_model(m), length_log)
+        served.append(built)
+    names = [b.name for b in served]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(
+            f"several models would be served as {', '.join(map(repr, dupes))}: give each a "
+            "distinct --served-model-name (or served_name in its [[models]] table)"
+        )
+    budget = ComputeBudget()
+    for b in served:
+        b.engine.use_budget(budget)
+    app, group = build_router(served, settings, budget)
+    log.info("serving %d models on one CPU budget: %s", len(served), ", ".join(names))
+    serve_app(app, group, settings)
+    return 0
+
+
+def build_model(settings: Settings, length_log: Any = None) -> Any:
+    """One model's engine and the app it has alone, as a `serving.multi.ServedModel` (what
+    `serve` runs, alone or beside other models)."""
+    from lenbatch.runners import load_runner
+    from lenbatch.runners.causal import resolve_causal_model
+    from lenbatch.runners.tasks import resolve_task
+    from lenbatch.serving.multi import ServedModel
+
+    m = settings.model
     causal = resolve_causal_model(m.name)
     if causal is not None and settings.batching.strategy is Strategy.ADAPTIVE:
         raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
     if causal is not None:
-        from lenbatch.serving.http import serve_app
-
         app, gen_engine = _llm_app(settings, causal, length_log)
-        serve_app(app, gen_engine, settings)
-        return 0
+        name = settings.server.served_model_name or gen_engine.info.name
+        return ServedModel(name, ["generate"], gen_engine, app, {m.name, gen_engine.info.name})
     execution = m.execution
     if execution == "auto" and settings.batching.strategy is Strategy.STATIC:
         # `static` pads every batch to the model limit on purpose (the naive baseline): a
         # packed runner would compute real tokens only and hide what padding costs.
         execution = "padded"
         log.info("execution auto: padded, because strategy static pads on purpose")
-    from lenbatch.runners.tasks import resolve_task
-
     task = resolve_task(m.name, m.task)
     if task in (ModelTask.SCORE, ModelTask.CLASSIFY):
-        return _serve_scorer(settings, execution, length_log)
+        return _build_scorer(settings, execution, length_log)
+    from lenbatch.embed.api import create_app
+    from lenbatch.embed.engine import Engine
+
     runner = load_runner(
         m.name,
         execution=execution,
@@ -265,16 +342,18 @@ def run(args: argparse.Namespace) -> int:
     )
     _log_precision(runner)
     log.info(engine.describe())
-    serve(engine, settings, getattr(runner, "text", None))
-    return 0
+    app = create_app(engine, settings, getattr(runner, "text", None))
+    name = settings.server.served_model_name or runner.info.name
+    return ServedModel(name, ["embed"], engine, app, {m.name, runner.info.name})
 
 
-def _serve_scorer(settings: Settings, execution: str, length_log: Any) -> int:
-    """Serve a `*ForSequenceClassification` folder: rerank and score (one label) or classify."""
-    from lenbatch.embed.score_api import serve_scoring
+def _build_scorer(settings: Settings, execution: str, length_log: Any) -> Any:
+    """A `*ForSequenceClassification` folder: rerank and score (one label) or classify."""
+    from lenbatch.embed.score_api import create_scoring_app
     from lenbatch.embed.scoring import ScoringEngine
     from lenbatch.runners import load_runner
     from lenbatch.runners.base import ScoringRunner
+    from lenbatch.serving.multi import ServedModel
 
     m = settings.model
     runner = load_runner(m.name, execution=execution, head=True, **_runner_options(m))
@@ -298,18 +377,21 @@ def _serve_scorer(settings: Settings, execution: str, length_log: Any) -> int:
     )
     _log_precision(runner)
     log.info(engine.describe())
-    serve_scoring(engine, settings, getattr(runner, "text", None))
-    return 0
+    app = create_scoring_app(engine, settings, getattr(runner, "text", None))
+    name = settings.server.served_model_name or runner.info.name
+    tasks = ["score", "classify"] if len(runner.labels) == 1 else ["classify"]
+    card = {"labels": list(runner.labels)}
+    return ServedModel(name, tasks, engine, app, {m.name, runner.info.name}, card)
 
 
 def _one_model(settings: Settings) -> ModelConfig:
-    """The one model a config names; several (`[[models]]`) are refused, naming them."""
+    """The one model `--ray` serves; several are refused, naming them."""
     models = settings.served_models()
     if len(models) > 1:
         names = ", ".join(repr(m.served_name or m.name) for m in models)
         raise ValueError(
-            f"the config lists {len(models)} models ({names}): serving several models in one "
-            "process is not implemented yet; give one [model] (or one [[models]] entry)"
+            f"the config lists {len(models)} models ({names}): --ray serves one model; serve "
+            "several in one process without --ray"
         )
     return models[0]
 

@@ -48,6 +48,7 @@ from lenbatch.core.errors import (
 )
 from lenbatch.core.request import Request
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo, PackedEmbeddingRunner
+from lenbatch.serving.budget import ComputeBudget
 
 __all__ = [
     "BatchEvent",
@@ -66,6 +67,14 @@ Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
 log = logging.getLogger("lenbatch.embed.batches")
 
 _PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
+
+
+def _due(r: Request[Any]) -> float:
+    """When a request is due, for the CPU budget's order: its SLO time (`adaptive`), else its
+    deadline, else its arrival (first come, first served)."""
+    if r.due is not None:
+        return r.due
+    return r.deadline if r.deadline is not None else r.arrival
 
 
 # ---------------------------------------------------------------------- what a batch comes to
@@ -168,6 +177,8 @@ class BatchRunner:
         self.clock = clock
         self.failures_in_row = 0  # failed model calls (not out-of-memory) since a success
         self.packed_runner = runner if isinstance(runner, PackedEmbeddingRunner) else None
+        # Several models in one process: the CPU budget their model calls take turns on.
+        self.budget: ComputeBudget | None = None
 
     async def run(
         self,
@@ -253,19 +264,29 @@ class BatchRunner:
     ) -> AsyncGenerator[BatchEvent, None]:
         """One model call on `live`, then what its failure leads to (split, bisect, crash)."""
         loop = asyncio.get_running_loop()
-        start = self.clock.now()
-        yield Started(live, start)
-        running = loop.run_in_executor(self.executor, self._model_call, batch)
-        limit = self.recovery.batch_timeout_s
-        if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
-            yield Crashed(lane, f"a batch of {len(live)} ran longer than {limit:g} s", live)
-            return
+        budget = self.budget
+        if budget is not None:
+            await budget.acquire(max(r.priority for r in live), min(map(_due, live)))
+        error: BaseException | None = None
         try:
-            out = await running
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # whatever the model raises, every request gets an answer
-            events, split = await self._on_error(lane, live, batch.width, exc)
+            start = self.clock.now()
+            yield Started(live, start)
+            running = loop.run_in_executor(self.executor, self._model_call, batch)
+            limit = self.recovery.batch_timeout_s
+            if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
+                yield Crashed(lane, f"a batch of {len(live)} ran longer than {limit:g} s", live)
+                return
+            try:
+                out = await running
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # whatever the model raises, every request is answered
+                error = exc
+        finally:
+            if budget is not None:
+                budget.release()  # before a split's halves ask for their own turns
+        if error is not None:
+            events, split = await self._on_error(lane, live, batch.width, error)
             for event in events:
                 yield event
             if not split:

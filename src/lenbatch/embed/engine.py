@@ -64,6 +64,7 @@ from lenbatch.embed.batches import (
 from lenbatch.embed.inputs import InputReader, tokenize_checked
 from lenbatch.embed.refit import LiveRefit
 from lenbatch.runners.base import EmbeddingRunner
+from lenbatch.serving.budget import ComputeBudget
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.ledger import FutureReply, Ticket
 from lenbatch.serving.lengthlog import LengthLog
@@ -144,6 +145,11 @@ class Engine(BaseEngine[Vector]):
             self.refit = LiveRefit(
                 ac, self.info.max_length, self.adaptive, fitter or optimal_bounds
             )
+
+    def use_budget(self, budget: ComputeBudget) -> None:
+        """Take turns on `budget` (shared with the other models' engines) for each batch."""
+        super().use_budget(budget)
+        self.batches.budget = budget
 
     # ------------------------------------------------------------------ lifecycle hooks
 

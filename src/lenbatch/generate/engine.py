@@ -270,10 +270,16 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         """Run `unit` in the worker thread; if it raises, recover (on the event loop, the
         worker being idle then)."""
         loop = asyncio.get_running_loop()
+        budget = self.budget  # several models in one process: take a turn on the CPU
+        if budget is not None:
+            await budget.acquire(0, self.clock.now())
         try:
             return await loop.run_in_executor(self._executor, self._run, unit)
         except Exception as exc:
             return recover(self.decoder, unit, exc)
+        finally:
+            if budget is not None:
+                budget.release()
 
     def _run(self, unit: Unit) -> UnitResult:
         """Worker thread: run one unit."""

@@ -18,6 +18,7 @@ from lenbatch.core.admission import Admission
 from lenbatch.core.clock import Clock, MonotonicClock
 from lenbatch.core.lanes import Lanes
 from lenbatch.core.queues import Queues
+from lenbatch.serving.budget import ComputeBudget
 from lenbatch.serving.ledger import Ledger
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState, Lifecycle
@@ -68,6 +69,12 @@ class BaseEngine(Lifecycle[T]):
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        # Several models in one process: the CPU budget whose turns the model calls take.
+        self.budget: ComputeBudget | None = None
+
+    def use_budget(self, budget: ComputeBudget) -> None:
+        """Take turns on `budget` (shared with the other models' engines) for model calls."""
+        self.budget = budget
 
     # ------------------------------------------------------------------ what subclasses supply
 

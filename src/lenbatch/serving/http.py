@@ -44,6 +44,7 @@ __all__ = [
     "check_model",
     "engine_app",
     "error_response",
+    "guarded",
     "new_app",
     "serve_app",
     "unless_disconnected",
@@ -319,7 +320,13 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve_app(app: FastAPI, engine: Service, settings: Settings) -> None:
+def guarded(app: ASGIApp, settings: Settings) -> ASGIApp:
+    """`app` behind the API-key and body-size guard (what `new_app` puts in front of its
+    routes), for an ASGI app that reads bodies itself (the several-model router)."""
+    return _Guard(app, settings.server.api_key, settings.server.max_body_bytes)
+
+
+def serve_app(app: ASGIApp, engine: Service, settings: Settings) -> None:
     """Serve `app` (whose lifespan starts `engine`) until SIGTERM or Ctrl-C, drain, exit."""
     config = uvicorn.Config(
         app,
