@@ -497,6 +497,13 @@ script_recipe(
     "--rows", "16", "--window", "200", "--width", "256",
 )  # fmt: skip
 script_recipe(
+    "rerank", "rerank.py",
+    "Rerank 1 query x 20-100 documents: lenbatch, one padded batch per call, Infinity, vLLM; "
+    "two models in one process (rerank.md).",
+    "--parts", "rerank,two-models", "--rates", "0.25,0.5,1,2", "--duration", "60",
+    "--out", "bench/results/rerank",
+)  # fmt: skip
+script_recipe(
     "bf16-agreement", "llm_bf16_agreement.py",
     "Batched greedy decoding in bf16 against fp32 generate() (llm_bf16_agreement.md).",
     "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",

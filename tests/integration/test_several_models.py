@@ -50,7 +50,7 @@ def server(scorer_dir: Path, tiny_llama_dir: Path) -> Iterator[_Server]:
     models = [build_model(settings.for_model(m)) for m in settings.served_models()]
     budget = ComputeBudget()
     for m in models:
-        m.engine.use_budget(budget)
+        m.engine.use_budget(budget, m.name)
     app, _ = build_router(models, settings, budget)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(config)

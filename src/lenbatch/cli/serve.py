@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         )
     budget = ComputeBudget()
     for b in served:
-        b.engine.use_budget(budget)
+        b.engine.use_budget(budget, b.name)
     app, group = build_router(served, settings, budget)
     log.info("serving %d models on one CPU budget: %s", len(served), ", ".join(names))
     serve_app(app, group, settings)

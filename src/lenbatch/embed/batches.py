@@ -179,6 +179,7 @@ class BatchRunner:
         self.packed_runner = runner if isinstance(runner, PackedEmbeddingRunner) else None
         # Several models in one process: the CPU budget their model calls take turns on.
         self.budget: ComputeBudget | None = None
+        self.budget_owner = info.name  # whose share its turns count to
 
     async def run(
         self,
@@ -265,8 +266,10 @@ class BatchRunner:
         """One model call on `live`, then what its failure leads to (split, bisect, crash)."""
         loop = asyncio.get_running_loop()
         budget = self.budget
+        turn = None
         if budget is not None:
-            await budget.acquire(max(r.priority for r in live), min(map(_due, live)))
+            prio, due = max(r.priority for r in live), min(map(_due, live))
+            turn = await budget.acquire(prio, due, self.budget_owner)
         error: BaseException | None = None
         try:
             start = self.clock.now()
@@ -283,8 +286,8 @@ class BatchRunner:
             except BaseException as exc:  # whatever the model raises, every request is answered
                 error = exc
         finally:
-            if budget is not None:
-                budget.release()  # before a split's halves ask for their own turns
+            if budget is not None and turn is not None:
+                budget.release(turn)  # before a split's halves ask for their own turns
         if error is not None:
             events, split = await self._on_error(lane, live, batch.width, error)
             for event in events:

@@ -146,10 +146,12 @@ class Engine(BaseEngine[Vector]):
                 ac, self.info.max_length, self.adaptive, fitter or optimal_bounds
             )
 
-    def use_budget(self, budget: ComputeBudget) -> None:
-        """Take turns on `budget` (shared with the other models' engines) for each batch."""
-        super().use_budget(budget)
+    def use_budget(self, budget: ComputeBudget, owner: str) -> None:
+        """Take turns on `budget` (shared with the other models' engines) for each batch,
+        counted to `owner`'s share."""
+        super().use_budget(budget, owner)
         self.batches.budget = budget
+        self.batches.budget_owner = owner
 
     # ------------------------------------------------------------------ lifecycle hooks
 

@@ -271,15 +271,14 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         worker being idle then)."""
         loop = asyncio.get_running_loop()
         budget = self.budget  # several models in one process: take a turn on the CPU
-        if budget is not None:
-            await budget.acquire(0, self.clock.now())
+        turn = None if budget is None else await budget.acquire(0, 0.0, self.budget_owner)
         try:
             return await loop.run_in_executor(self._executor, self._run, unit)
         except Exception as exc:
             return recover(self.decoder, unit, exc)
         finally:
-            if budget is not None:
-                budget.release()
+            if budget is not None and turn is not None:
+                budget.release(turn)
 
     def _run(self, unit: Unit) -> UnitResult:
         """Worker thread: run one unit."""

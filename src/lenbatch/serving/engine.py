@@ -71,10 +71,13 @@ class BaseEngine(Lifecycle[T]):
         self._loop_task: asyncio.Task[None] | None = None
         # Several models in one process: the CPU budget whose turns the model calls take.
         self.budget: ComputeBudget | None = None
+        self.budget_owner = ""
 
-    def use_budget(self, budget: ComputeBudget) -> None:
-        """Take turns on `budget` (shared with the other models' engines) for model calls."""
+    def use_budget(self, budget: ComputeBudget, owner: str) -> None:
+        """Take turns on `budget` (shared with the other models' engines) for model calls,
+        counted to `owner`'s share (the served model's name)."""
         self.budget = budget
+        self.budget_owner = owner
 
     # ------------------------------------------------------------------ what subclasses supply
 
