@@ -2,7 +2,8 @@
 
 Part `rerank`: a mixed load of rerank calls, each 1 query x 20-100 documents of real text
 (State of the Union paragraphs; GSM8K questions as queries), Poisson arrivals at each rate of
-`--rates` calls/s (lenbatch float32, as the peers), against every server of `--servers` serving the same cross-encoder folder:
+`--rates` calls/s, against every server of `--servers` serving the same cross-encoder folder
+(all in float32):
 
 - `lenbatch`: `lenbatch serve --model FOLDER` (each pair bucketed by its own length, batched
   with other calls' pairs);
