@@ -253,3 +253,20 @@ def test_rerank_on_an_embedder_says_what_it_serves(minilm: EmbeddingRunner) -> N
         assert "serves embed (/v1/embeddings)" in r.json()["error"]["message"]
         models = client.get("/v1/models").json()["data"]
         assert models[0]["task"] == "embed"
+
+
+@pytest.mark.parametrize("execution", ["padded", "packed"])
+def test_bfloat16_agreement(
+    execution: str, scorer_dir: Path, reference: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """bfloat16 heads against CrossEncoder in float32: the figure docs/tasks.md states (printed
+    with `pytest -s`), bounded loosely here; the same best document."""
+    runner = load_runner(str(scorer_dir), execution=execution, head=True, dtype="bfloat16")
+    assert isinstance(runner, ScoringRunner)
+    pairs = runner.tokenize_pairs([(QUERY, d) for d in DOCS], False)
+    logits = runner.embed(collate(pairs.ids, 0, segments=pairs.token_type_ids))[:, 0]
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    diff = float(np.abs(scores - reference[0]).max())
+    print(f"bf16 {execution}: max abs diff of scores vs CrossEncoder fp32 {diff:.2e}")
+    assert diff <= 0.05
+    assert int(np.argmax(scores)) == int(np.argmax(reference[0]))
