@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -48,6 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 RANGE_DOCS = (20, 100)
+# `lenbatch` from this tree (`python -m lenbatch.cli.main` warns about the package's import)
+LENBATCH = (
+    sys.executable,
+    "-c",
+    "import sys; from lenbatch.cli.main import main; sys.exit(main())",
+)
 SERVERS = ("lenbatch", "padded", "infinity", "vllm")
 
 
@@ -123,7 +130,7 @@ def command(server: str, folder: Path, port: int, max_batch: int, extra: list[st
     """The command line that starts `server` on `port`."""
     py = sys.executable
     if server == "lenbatch":
-        return [py, "-m", "lenbatch.cli.main", "serve", "--model", str(folder),
+        return [*LENBATCH, "serve", "--model", str(folder),
                 "--port", str(port), "--max-batch", str(max_batch),
                 "--log-level", "warning", *extra]  # fmt: skip
     if server == "padded":
@@ -337,7 +344,7 @@ def two_models_part(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     queries, docs = texts()
     n = int(args.embed_rate * args.duration)
     out: dict[str, Any] = {}
-    serve = [sys.executable, "-m", "lenbatch.cli.main", "serve", "--log-level", "warning",
+    serve = [*LENBATCH, "serve", "--log-level", "warning",
              "--truncate", *args.serve_args.split()]  # fmt: skip
     alone = [*serve, "--model", "minilm", "--served-model-name", "embedder"]
     both = [*serve, "--model", "minilm", "--model", str(folder),
@@ -447,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.model) if args.model else ROOT / "bench" / ".cache" / "minilm-reranker"
     if args.dry_run:
         for server in args.servers.split(",") if "rerank" in parts else ():
-            print(" ".join(command(server, folder, 0, args.max_batch, [])))
+            print(shlex.join(command(server, folder, 0, args.max_batch, [])))
         print(f"rerank: {args.rates} calls/s x {args.duration:g} s, 1 query x "
               f"{RANGE_DOCS[0]}-{RANGE_DOCS[1]} documents; two-models: embed "
               f"{args.embed_rate:g} calls/s, burst {args.burst_rate:g} calls/s")  # fmt: skip

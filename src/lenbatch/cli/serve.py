@@ -32,7 +32,8 @@ def register(sub: Any) -> None:
     """Add the `serve` subcommand."""
     p = sub.add_parser(
         "serve",
-        help="serve a model over HTTP (OpenAI-compatible /v1/embeddings)",
+        help="serve one or several models over HTTP (embeddings, rerank, score, classify, "
+        "completions)",
         description="Serve a model with length-bucketed dynamic batching. Settings merge, "
         "lowest first: defaults, --config FILE (TOML/YAML), LENBATCH_<SECTION>__<FIELD> "
         "environment variables, then these flags.",
