@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.model) if args.model else ROOT / "bench" / ".cache" / "minilm-reranker"
     if args.dry_run:
         for server in args.servers.split(",") if "rerank" in parts else ():
-            print(shlex.join(command(server, folder, 0, args.max_batch, [])))
+            extra = ["--truncate", *args.serve_args.split()] if server == "lenbatch" else []
+            print(shlex.join(command(server, folder, 0, args.max_batch, extra)))
         print(f"rerank: {args.rates} calls/s x {args.duration:g} s, 1 query x "
               f"{RANGE_DOCS[0]}-{RANGE_DOCS[1]} documents; two-models: embed "
               f"{args.embed_rate:g} calls/s, burst {args.burst_rate:g} calls/s")  # fmt: skip
