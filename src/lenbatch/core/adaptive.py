@@ -9,10 +9,11 @@ Every request has a due time: arrival + the SLO of its priority level (or the ca
 timeout). With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (`OnlineCostModel`),
 and may start at `now + ahead` (`ahead`: predicted work still on the runner). Per decision:
 
-1. **Shedding** (`shed` 429/503): a request at the head of its lane that cannot meet its due
-   time even alone (`now + ahead + t(1, len) > due`) is answered at once, and at admission a
-   call whose due time lies before the predicted end of the work queued ahead of it is refused
-   (`admit`). `shed = late` keeps them and serves them late.
+1. **Shedding** (`shed` 429/503), a last resort: a request at the head of its lane that
+   cannot meet its due time even alone (`now + ahead + t(1, len) > due`) is answered at once,
+   and at admission a call is refused only when it cannot finish by its due time even ahead
+   of every queued request it may jump (`admit`, `core.shedding`). Each is recorded with what
+   was predicted (`decisions`, in `/stats`). `shed = late` keeps them and serves them late.
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
@@ -44,6 +45,7 @@ from typing import Any
 from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.decisions import DecisionLog
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
@@ -98,6 +100,7 @@ class AdaptiveState(Shedding):
         self.backlog_end = -_INF  # predicted time the runner(s) finish what was emitted
         self.merges: dict[tuple[int, int], int] = {}
         self.late = 0  # requests kept although predicted late (shed = late)
+        self.decisions = DecisionLog()  # why each request was refused or shed
         self.reset_lanes(cfg)
 
     @property
@@ -132,7 +135,12 @@ class AdaptiveState(Shedding):
         return self.estimates.rate(lane, now)
 
     def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
-        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
+        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`: the cost
+        model learns it, and the predicted end of the emitted work moves by what the batch
+        took beyond (or short of) its prediction, so errors do not pile up over a burst."""
+        if seconds > 0 and self.backlog_end > -_INF:
+            predicted = self.cost.coefficients.seconds(size, padded_len)
+            self.backlog_end += (seconds - predicted) / self.concurrency
         self.estimates.observe_batch(lane, size, padded_len, seconds)
 
     # ------------------------------------------------------------------ the decision
@@ -312,6 +320,24 @@ class AdaptiveState(Shedding):
                         d.shed.append(r)
                         gone.append(r)
                         self.shed_counts["queue"] += 1
+                        due = self.policy.due(r)
+                        finish = start + co.seconds(1, r.length)
+                        running = start - now
+                        self._record(
+                            "queue",
+                            now,
+                            r.length,
+                            1,
+                            lane,
+                            r.priority,
+                            due,
+                            start,
+                            finish,
+                            running,
+                            0.0,
+                            len(gone) - 1,
+                            queues,
+                        )
                     else:
                         break  # served late: counted when its batch is emitted
                 else:
@@ -408,4 +434,5 @@ class AdaptiveState(Shedding):
             ],
             "shed": dict(self.shed_counts),
             "served_late": self.late,
+            "decisions": self.decisions.summary(now),
         }

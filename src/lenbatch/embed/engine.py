@@ -232,7 +232,7 @@ class Engine(BaseEngine[Vector]):
         due = None
         if ad is not None:
             due = ad.due_of(now, priority, timeout)
-            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now)
+            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now, priority)
             if shed is not None:
                 self.metrics.record_rejection(shed.code)
                 self.metrics.record_shed("admission")
