@@ -137,3 +137,29 @@ def test_the_ring_is_bounded_and_the_worst_burst_is_the_densest_window() -> None
     assert burst["median_late_by_ms"] == pytest.approx(200.0)
     with pytest.raises(ValueError):
         DecisionLog(capacity=0)
+
+
+def test_shedding_follows_what_the_last_batches_measured() -> None:
+    """Batches running twice as slow as the cost model predicts (another process took the
+    cores) make shedding refuse what the model alone would admit, at once; batches back at
+    speed make it admit again. The window's fit alone would take dozens of batches."""
+    cfg = _cfg()
+    st = _state(cfg, slo=(1.0,))
+    q = Queues(cfg)
+    for _ in range(32):
+        _arrive(q, st, 60, 1.0)  # with the call: 0.6 s of work per the model, due in 1 s
+    assert st.drift == pytest.approx(1.0)
+    assert st.admit([60], 2.0, q, cfg, 1.0) is None
+    for _ in range(10):
+        st.observe_batch(1, 8, 60, 2 * st.cost.coefficients.seconds(8, 60))
+    assert st.drift > 1.8
+    refusal = st.admit([60], 2.0, q, cfg, 1.0)
+    assert refusal is not None
+    assert st.decisions.decisions()[-1].drift == pytest.approx(st.drift)
+    for _ in range(20):
+        st.observe_batch(1, 8, 60, st.cost.coefficients.seconds(8, 60))
+    assert st.drift == pytest.approx(1.0, abs=0.05)
+    assert st.admit([60], 2.0, q, cfg, 1.0) is None
+    # one stalled batch (a pause of the process) moves it by a bounded factor only
+    st.observe_batch(1, 8, 60, 100.0)
+    assert st.drift < 4.0**0.2 * 1.06

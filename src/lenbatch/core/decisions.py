@@ -45,6 +45,7 @@ class ShedDecision:
     cost_b_s: float
     cost_c_s: float
     observed_batches: int  # batches the cost model had seen
+    drift: float = 1.0  # recent measured / predicted batch time the prediction was scaled by
 
     @property
     def late_by(self) -> float:
@@ -135,6 +136,7 @@ class DecisionLog:
                 "b_s_per_token": first.cost_b_s,
                 "c_s_per_token_sq": first.cost_c_s,
                 "observed_batches": first.observed_batches,
+                "drift": first.drift,
             },
         }
 

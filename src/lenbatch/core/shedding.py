@@ -11,9 +11,11 @@ queued requests of lower levels or later due times would be served after it. The
 `t(1, len)`. The scheduler sheds a request at the head of its lane that cannot meet its due
 time even alone. `shed = late` refuses nothing: such requests are kept and served late.
 
-The runner's predicted backlog is kept honest by what it measures: each finished batch moves
-the predicted end of the emitted work by its measured minus predicted time
-(`AdaptiveState.observe_batch`), so prediction errors do not pile up over a burst.
+The predictions are kept honest by what the runner measures: each finished batch moves the
+predicted end of the emitted work by its measured minus predicted time, and the shedding
+decisions scale the cost model's times by `drift`, the recent measured / predicted ratio
+(a moving average over about five batches, `AdaptiveState.observe_batch`): a slowdown (another
+process on the cores) or a speed-up counts at once, not only once the window's fit has moved.
 
 Every refusal and shed is recorded with what was predicted (`core.decisions.DecisionLog`).
 
@@ -46,6 +48,11 @@ class Shedding:
     backlog_end: float  # predicted time the runner(s) finish what was emitted
     shed_counts: dict[str, int]  # "admission": refused; "queue": shed from a lane
     decisions: DecisionLog  # why each was refused or shed
+
+    @property
+    def drift(self) -> float:
+        """Recent measured / predicted batch time (`AdaptiveState.drift`)."""
+        raise NotImplementedError
 
     def running_work(self, queues: Queues, now: float) -> float:
         """Predicted seconds until a runner slot frees up for queued work: what was emitted
@@ -111,8 +118,10 @@ class Shedding:
         running = self.running_work(queues, now)
         co = self.estimates.cost.coefficients
         longest = max(lengths)
-        own = co.seconds(1, longest)
+        drift = self.drift  # the model's times as the last batches measured them
+        own = drift * co.seconds(1, longest)
         queued, ahead = self.queued_work(queues, cfg, due, priority, lengths)
+        queued *= drift
         # `queued` holds the call's own inputs in their lanes' batches: it ends with them
         finish = now + running + max(queued, own)
         if finish <= due:
@@ -175,6 +184,7 @@ class Shedding:
                 cost_b_s=co.b,
                 cost_c_s=co.c,
                 observed_batches=self.estimates.cost.observed,
+                drift=self.drift,
             )
         )
 
