@@ -25,12 +25,13 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 ## serve the default model (all-MiniLM-L6-v2) on 127.0.0.1:8000: strategy adaptive (1 s SLO) on the
-## dev trace's fitted buckets and thread split, bf16 packed where the CPU has bf16; the cost file
-## seeds adaptive's online cost model (a profile of a 2-core AMD EPYC Zen 5: serve warns on
-## another CPU and the model re-learns from its own batches); extra flags via ARGS="..."
+## dev trace's fitted buckets and thread split, bf16 packed where the CPU has bf16; --cost auto seeds
+## adaptive's online cost model from one measured on this processor: the user's cache, else a
+## committed file of bench/results, else it measures one at first start (at most 30 s, before
+## /health turns 200) and caches it in ~/.cache/lenbatch; extra flags via ARGS="..."
 serve: $(STAMP)
 	$(BIN)/lenbatch serve --config configs/minilm-azure-conv.toml --strategy adaptive --slo-ms 1000 \
-		--cost bench/results/cost_minilm_epyc_zen5_bf16_packed_1t.json $(ARGS)
+		--cost auto $(ARGS)
 
 ## lint, type-check and run every test (what CI runs)
 test: lint typecheck pytest

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import goodput
 import tables
 from steps import ROOT, Action, Command, ServeDuring, Step, lenbatch, script
 
@@ -282,6 +283,26 @@ def adaptive_overload(args: argparse.Namespace) -> list[Step]:
     rate = float(args.rate)
     runs = [(f"overload-{s}", s, rate, "bucketed,adaptive", "naive") for s in ("onoff", "drift")]
     return adaptive_steps(args, runs)
+
+
+@recipe(
+    "adaptive-goodput",
+    out("bench/results/adaptive-goodput"),
+    opt("--start", "600", "dev trace window start, seconds"),
+    opt("--span", "120", "seconds of trace time: the same requests at every rate"),
+    opt("--loads", "0.2,0.5,0.8,1.5,3", "mean rates as multiples of the measured capacity"),
+    opt("--strategies", "adaptive,bucketed,fifo", "lenbatch strategies"),
+    opt("--peers", "none", "peers as well (e.g. vllm-bf16), or 'none'"),
+    opt("--repeats", "3", "replays of every rate (and of the bursts scenario)"),
+    opt("--overload", "40", "trace-rate multiplier of the capacity run, far past saturation"),
+    opt("--bursts-load", "0.5", "the bursts scenario's mean rate, as a multiple of capacity"),
+    opt("--bursts-duration", "25", "seconds of the bursts scenario"),
+    conditions,
+)
+def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
+    """adaptive vs bucketed vs fifo at 0.2-3x measured capacity, live beside simulate (issue 24)."""
+    plan = goodput.plan_from_args(args)
+    return [Action(plan.describe(), lambda env: goodput.run_goodput(plan, env))]
 
 
 # --- causal-LM decoding -------------------------------------------------------------------

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Self-calibrated cost models go to a cache folder of the tests' own (servers they start
+# inherit it), never the user's ~/.cache/lenbatch.
+os.environ["LENBATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="lenbatch-test-cache-")
 
 # Import Hypothesis now, at a shallow stack: CPython 3.11.7 can raise "AST constructor
 # recursion depth mismatch" when pytest's assertion rewriter first imports it from deep inside

@@ -46,6 +46,9 @@ async def test_adaptive_answers_in_order_and_learns_its_cost() -> None:
         np.testing.assert_array_equal(vec, runner.vector(x))
     ad = stats["adaptive"]
     assert ad["cost_model"]["observed_batches"] == len(runner.batches)
+    # each model call's idle slot time before it, which the cost model learns with it
+    assert stats["runner_gaps"]["calls"] == len(runner.batches)
+    assert stats["runner_gaps"]["mean_gap_ms"] >= 0
     assert ad["cost_model"]["prior"] == "generic prior"
     assert [lane["bucket"] for lane in ad["lanes"]] == ["1-16", "17-64", "overlong(65-128)"]
     assert ad["switches"] == {

@@ -276,13 +276,38 @@ def test_dry_run_prints_the_commands_and_runs_nothing(
     assert "--rate-sweep 3 " in out and "table ray-scaleout" in out
 
 
+def test_adaptive_goodput_commands_parse_and_the_dry_run_says_what_comes_later(
+    bench_runner: Any,
+) -> None:
+    """The capacity, rates and bursts commands of `adaptive-goodput` parse (with the serve
+    flags they pass on); the dry run names the sweep and cost found after the capacity run."""
+    import shlex
+
+    from lenbatch.cli import build_parser
+
+    args, steps = bench_runner.plan(["--dry-run", "adaptive-goodput", "--repeats", "2"])
+    (action,) = steps
+    assert "SWEEP" in action.describe() and "rates-2" in action.describe()
+    import sys
+
+    plan = sys.modules["goodput"].plan_from_args(args)  # bench/goodput.py, as run.py loads it
+    parser = build_parser()
+    cmds = [plan.capacity_cmd(), plan.rates_cmd("1.5,3", "c.json", 1)]
+    cmds.append(plan.bursts_cmd(12.5, "c.json", 1))
+    for cmd in cmds:
+        parsed = parser.parse_args(list(cmd.args))
+        parser.parse_args(["serve", *shlex.split(parsed.serve_args)])
+    assert "--keep-server" in cmds[1].args and "c.json" in cmds[1].args
+    assert cmds[2].args[cmds[2].args.index("--rate") + 1] == "12.50"
+
+
 def test_every_entry_point_is_a_documented_recipe(bench_runner: Any) -> None:
     """bench/README.md documents every recipe, and every script in bench/ is a recipe's."""
     readme = (BENCH / "README.md").read_text(encoding="utf-8")
     for name in bench_runner.RECIPES:
         assert f"| `{name}` |" in readme, name
     scripts = {r.script for r in bench_runner.RECIPES.values()} - {None}
-    runner = {"run.py", "recipes.py", "steps.py", "tables.py"}
+    runner = {"run.py", "recipes.py", "steps.py", "tables.py", "goodput.py"}
     assert {p.name for p in BENCH.glob("*.py")} - runner == scripts
     assert not list(BENCH.glob("*.sh"))
 
@@ -334,3 +359,56 @@ def test_before_after_table_gives_medians_ratios_and_marks_a_regression(
     )
     assert "**(worse)**" not in rows[0]
     assert rows[1].count("**(worse)**") == 1 and "| 1.52 **(worse)** |" in rows[1]
+
+
+def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
+    bench_runner: Any, tmp_path: Path
+) -> None:
+    """Goodput counts answers within 1 s per second of offered traffic, averaged over repeats;
+    adaptive's ratio is to the best other target; the worst burst of each adaptive server's
+    decision log is listed; the simulator's prediction sits beside each strategy's row."""
+    import sys
+
+    from lenbatch.plan.summary import OUTCOME_OK, OUTCOME_REJECTED
+    from lenbatch.replay.results import ReplayResult
+
+    goodput = sys.modules["goodput"]
+    cost = tmp_path / "cost.json"
+    CostModel(0.01, per_token=1.4e-4).save(cost)
+    meta = {"capacity_rps": 50.0, "window_rps": 5.0, "loads": [0.5, 1.5], "cost": str(cost),
+            "sweep": "5.000,15.000", "start": "600", "span": "20"}  # fmt: skip
+    (tmp_path / "capacity.json").write_text(json.dumps(meta), encoding="utf-8")
+    burst = {"shed": 12, "by_where": {"admission": 10, "queue": 2}, "median_late_by_ms": 120.0,
+             "min_late_by_ms": 5.0, "median_start_in_ms": 800.0, "median_due_in_ms": 1000.0,
+             "median_running_ms": 300.0, "median_queued_ms": 600.0, "median_queue_ahead": 40.0,
+             "max_queued": 80, "cost_model": {"a_s": 0.012, "b_s_per_token": 1.5e-4,
+                                              "observed_batches": 900}}  # fmt: skip
+
+    def record(name: str, rate: float, ok: int, late: int) -> dict[str, Any]:
+        n = 100
+        outcomes = np.array([OUTCOME_OK] * ok + [OUTCOME_REJECTED] * (n - ok))
+        sent = np.linspace(0, 10, n)
+        lat = np.where(np.arange(n) < late, 1.5, 0.2)
+        stats = {"adaptive": {"decisions": {"worst_burst": burst}}} if name == "adaptive" else {}
+        res = ReplayResult(sent, sent, sent + lat, np.full(n, 50), np.full(n, 200), outcomes,
+                           [None] * n, np.full(n, np.nan), np.zeros(n, np.int64), np.array([]),
+                           10.0, 1.0, 16, None, stats)  # fmt: skip
+        summary = {"requests": n, "rejected": n - ok, "offered_rps": 10.0, "duration_s": 10.0,
+                   "p95_ms": 200.0}  # fmt: skip
+        return {"name": name, "kind": "strategy", "rate": rate, "summary": summary,
+                "result": res.to_json()}  # fmt: skip
+
+    for rep in (1, 2):
+        runs = tmp_path / f"rates-{rep}" / "runs"
+        runs.mkdir(parents=True)
+        for rate in (5.0, 15.0):
+            # adaptive: 96 answered, 1 of them late; bucketed: all answered, 10 (rep 2: 20) late
+            for name, ok, late in (("adaptive", 96, 1), ("bucketed", 100, 10 * rep)):
+                rec = record(name, rate, ok, late)
+                (runs / f"{name}-x{rate:g}.json").write_text(json.dumps(rec), encoding="utf-8")
+    text = goodput.goodput_table(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| 0.5x")]
+    assert rows[0].startswith("| 0.5x | adaptive | 9.5 (9.5–9.5) | 4.0 (4.0–4.0) | 200 |")
+    assert rows[0].endswith("| 1.12x | 0.19 |")  # 9.5 / mean(9.0, 8.0); 9.5 / 50
+    assert rows[1].startswith("| 0.5x | bucketed | 8.5 (8.0–9.0) | 0.0 (0.0–0.0) |")
+    assert "rates-2, adaptive (all rates): 12 shed" in text

@@ -283,10 +283,10 @@ def load_cost_model(
     execution: str | None = None,
     threads: int | None = None,
 ) -> CostModel:
-    """Read the cost model `--cost` names: a JSON file, `auto` (the file in
-    `LENBATCH_COST_DIR`, default the source checkout's `bench/results/`, measured on this
-    processor; see `lenbatch.plan.costsource`) or a live server's URL (strategy adaptive's
-    online fit).
+    """Read the cost model `--cost` names: a JSON file, `auto` (the one measured on this
+    processor: the self-calibration cache, then `LENBATCH_COST_DIR`, default the source
+    checkout's `bench/results/`; see `lenbatch.plan.costsource`) or a live server's URL
+    (strategy adaptive's online fit).
     `threads` is the torch thread count the command runs the model with (part of the key).
     Says on stderr which one was taken and why (with `warn`), and warns when a file was
     measured on another processor than this one, whose latencies it then does not describe."""
@@ -324,10 +324,12 @@ def pin_cost_spec(
 
 
 COST_HELP = (
-    "cost model: a JSON file (`lenbatch profile` or `calibrate` output), 'auto' (the file in "
-    "$LENBATCH_COST_DIR, default the source checkout's bench/results/, measured on this "
-    "processor: same CPU model number, ISA flags and torch threads, preferring the "
-    "dtype/execution run and a calibrated one), or a live server's URL http://HOST:PORT "
+    "cost model: a JSON file (`lenbatch profile` or `calibrate` output), 'auto' (the one "
+    "measured on this processor: same CPU model number, ISA flags and torch threads, from "
+    "the user's cache of models `serve` self-calibrated ($XDG_CACHE_HOME/lenbatch or "
+    "$LENBATCH_CACHE_DIR), else $LENBATCH_COST_DIR, default the source checkout's "
+    "bench/results/; preferring the dtype/execution run and a calibrated one), or a live "
+    "server's URL http://HOST:PORT "
     "(strategy adaptive's online-fitted model from /stats)"
 )
 

@@ -130,12 +130,13 @@ def register(sub: Any) -> None:
         "--cost",
         metavar="FILE|auto|URL",
         help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`; "
-        "'auto': the one in $LENBATCH_COST_DIR, default the checkout's bench/results/, "
-        "measured on this "
-        "processor with this dtype/execution; or a live adaptive server's URL, its online "
-        "fit): seeds adaptive's online cost model (without it: a generic CPU guess, then "
-        "learned from the engine's own batches); start-up warns when it was measured on "
-        "another processor",
+        "'auto': the one measured on this processor with this dtype/execution, from the "
+        "user's cache ($XDG_CACHE_HOME/lenbatch, or $LENBATCH_CACHE_DIR), else "
+        "$LENBATCH_COST_DIR (default the checkout's bench/results/), else, for strategy "
+        "adaptive, measured at start-up (at most 30 s) and cached; or a live adaptive "
+        "server's URL, its online fit): seeds adaptive's online cost model (without it: a "
+        "generic CPU guess, then learned from the engine's own batches); start-up warns when "
+        "a file was measured on another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
@@ -332,7 +333,15 @@ def build_model(settings: Settings, length_log: Any = None) -> Any:
         default_truncate=m.truncate,
         length_log=length_log,
         adaptive=settings.adaptive,
-        cost_prior=_cost_prior(_serve_cost(m.cost_model, m.device, runner)),
+        cost_prior=_cost_prior(
+            _serve_cost(
+                m.cost_model,
+                m.device,
+                runner,
+                calibrate=settings.batching.strategy is Strategy.ADAPTIVE,
+                max_tokens=settings.batching.max_batch_tokens,
+            )
+        ),
     )
     log.info(
         "model %s: max_length=%d dim=%d padding=%s",
@@ -487,12 +496,24 @@ def _runner_options(m: Any) -> dict[str, Any]:
     return {name: getattr(m, name) for name in ("device", "max_length", "torch_threads", "dtype")}
 
 
-def _serve_cost(spec: str | None, device: str, runner: Any) -> Any:
-    """The deployment's cost model (`--cost` FILE, auto or a server URL; None without one),
-    preferring, for `auto`, one measured with the runner's dtype and execution. Says which
-    was taken, and warns when a file came from another processor."""
+def _serve_cost(
+    spec: str | None, device: str, runner: Any, *, calibrate: bool = False, max_tokens: int = 8192
+) -> Any:
+    """The deployment's cost model (`--cost` FILE, auto or a server URL; None without one).
+    `auto` is `plan.selfcal.auto_cost`: the cache, a matching file, else (`calibrate`: the
+    strategy reads a cost model) one measured now and cached. Says which was taken, and
+    warns when a file came from another processor."""
     if not spec:
         return None
+    if spec.strip().lower() == "auto":
+        from lenbatch.plan.selfcal import auto_cost
+
+        found = auto_cost(runner, device, calibrate=calibrate, max_tokens=max_tokens)
+        if found is None:
+            log.info("--cost auto: none measured on this processor; this strategy needs none")
+            return None
+        log.info("cost model: %s", found[1])
+        return found[0]
     from lenbatch.plan.costmodel import processor_mismatch
     from lenbatch.plan.costsource import resolve_cost
     from lenbatch.runners.base import PackedEmbeddingRunner

@@ -67,9 +67,11 @@ class ModelConfig(BaseModel):
     implement the one asked for refuses to start (no runner implements int8 or int4 yet)."""
     cost_model: str | None = None
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
-    (the one in `$LENBATCH_COST_DIR`, default the source checkout's `bench/results/`, measured
-    on this processor) or a live adaptive server's URL (its online fit); serve warns at
-    start-up when a file was measured on another processor (or does not say)."""
+    (the one measured on this processor: the user's cache of self-calibrated models, then
+    `$LENBATCH_COST_DIR`, default the source checkout's `bench/results/`; serve with strategy
+    adaptive measures and caches one when none matches) or a live adaptive server's URL (its
+    online fit); serve warns at start-up when a file was measured on another processor (or
+    does not say)."""
     execution: Literal["auto", "padded", "packed"] = "auto"
     """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real
     tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`

@@ -9,10 +9,13 @@ Every request has a due time: arrival + the SLO of its priority level (or the ca
 timeout). With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (`OnlineCostModel`),
 and may start at `now + ahead` (`ahead`: predicted work still on the runner). Per decision:
 
-1. **Shedding** (`shed` 429/503): a request at the head of its lane that cannot meet its due
-   time even alone (`now + ahead + t(1, len) > due`) is answered at once, and at admission a
-   call whose due time lies before the predicted end of the work queued ahead of it is refused
-   (`admit`). `shed = late` keeps them and serves them late.
+1. **Shedding** (`shed` 429/503), a last resort: a request at the head of its lane that
+   cannot meet its due time even alone (`now + ahead + t(1, len) > due`) is answered at once,
+   and at admission a call is refused only when it cannot finish by its due time even ahead
+   of every queued request it may jump (`admit`, `core.shedding`). Both scale the model's
+   times by `drift`, how much slower or faster the last few batches ran than predicted. Each
+   is recorded with what was predicted (`decisions`, in `/stats`). `shed = late` keeps them
+   and serves them late.
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
@@ -44,6 +47,7 @@ from typing import Any
 from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.decisions import DecisionLog
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.queues import Queues
@@ -55,6 +59,8 @@ __all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "deriv
 
 _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
+_DRIFT_ALPHA = 0.2  # weight of the newest batch in the measured / predicted average (~5 batches)
+_DRIFT_MAX = 4.0  # one batch moves the average by at most this factor (a stall is not a trend)
 
 
 def build_state(
@@ -98,6 +104,8 @@ class AdaptiveState(Shedding):
         self.backlog_end = -_INF  # predicted time the runner(s) finish what was emitted
         self.merges: dict[tuple[int, int], int] = {}
         self.late = 0  # requests kept although predicted late (shed = late)
+        self.decisions = DecisionLog()  # why each request was refused or shed
+        self._log_drift = 0.0  # log of the recent measured / predicted batch time
         self.reset_lanes(cfg)
 
     @property
@@ -132,8 +140,25 @@ class AdaptiveState(Shedding):
         return self.estimates.rate(lane, now)
 
     def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
-        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
+        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`: the cost
+        model learns it, and the predicted end of the emitted work moves by what the batch
+        took beyond (or short of) its prediction, so errors do not pile up over a burst."""
+        predicted = self.cost.coefficients.seconds(size, padded_len)
+        if seconds > 0 and predicted > 0:
+            if self.backlog_end > -_INF:
+                self.backlog_end += (seconds - predicted) / self.concurrency
+            # the last few batches' measured / predicted time, against the fit of the moment:
+            # the window's fit follows a change of speed (another process on the cores) only
+            # over dozens of batches, the shedding decisions at once
+            ratio = min(_DRIFT_MAX, max(1 / _DRIFT_MAX, seconds / predicted))
+            self._log_drift += _DRIFT_ALPHA * (math.log(ratio) - self._log_drift)
         self.estimates.observe_batch(lane, size, padded_len, seconds)
+
+    @property
+    def drift(self) -> float:
+        """How much slower (above 1) or faster the last few batches ran than the cost model
+        predicted them: shedding scales its predictions by it."""
+        return math.exp(self._log_drift)
 
     # ------------------------------------------------------------------ the decision
 
@@ -299,6 +324,7 @@ class AdaptiveState(Shedding):
         meet their due time even alone (shed)."""
         q = queues.lanes[lane]
         co = self.cost.coefficients
+        drift = self.drift
         shed_on = self.policy.shed is not ShedMode.LATE
         while True:
             window = self._ordered(q, now, cap)
@@ -307,11 +333,29 @@ class AdaptiveState(Shedding):
                 if r.deadline is not None and r.deadline <= now:
                     d.expired.append(r)
                     gone.append(r)
-                elif start + co.seconds(1, r.length) > self.policy.due(r):
+                elif start + drift * co.seconds(1, r.length) > self.policy.due(r):
                     if shed_on:
                         d.shed.append(r)
                         gone.append(r)
                         self.shed_counts["queue"] += 1
+                        due = self.policy.due(r)
+                        finish = start + drift * co.seconds(1, r.length)
+                        running = start - now
+                        self._record(
+                            "queue",
+                            now,
+                            r.length,
+                            1,
+                            lane,
+                            r.priority,
+                            due,
+                            start,
+                            finish,
+                            running,
+                            0.0,
+                            len(gone) - 1,
+                            queues,
+                        )
                     else:
                         break  # served late: counted when its batch is emitted
                 else:
@@ -390,6 +434,8 @@ class AdaptiveState(Shedding):
             "max_wait_ms": pol.max_wait * 1000,
             "aging_ms": pol.aging * 1000,
             "load": self.load(now),
+            # predicted seconds until the emitted work is done (fluid, per runner slot)
+            "backlog_ms": max(0.0, self.backlog_end - now) * 1000,
             "lanes": [
                 {
                     "bucket": labels[i] if i < len(labels) else str(i),
@@ -400,7 +446,7 @@ class AdaptiveState(Shedding):
                 }
                 for i in range(self.estimates.lanes)
             ],
-            "cost_model": self.cost.describe(),
+            "cost_model": {**self.cost.describe(), "recent_drift": self.drift},
             "merges": [
                 {"from": labels[a] if a < len(labels) else str(a), "into": labels[b], "n": n}
                 for (a, b), n in sorted(self.merges.items())
@@ -408,4 +454,5 @@ class AdaptiveState(Shedding):
             ],
             "shed": dict(self.shed_counts),
             "served_late": self.late,
+            "decisions": self.decisions.summary(now),
         }

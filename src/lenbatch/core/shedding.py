@@ -1,12 +1,23 @@
 """Deadline-aware shedding for the `adaptive` strategy: refuse at admission a call that cannot
 meet its due time, and answer a queued request that no longer can. Pure, clock injected.
 
-With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (the online cost model). A call is
-refused at admission (429/503 with Retry-After, by `shed`) when its due time lies before the
-predicted end of the work ahead of it: what the runner still has plus everything queued, lane
-by lane in full batches (`queued_work`), plus its own `t(1, len)`. The scheduler sheds a
-request at the head of its lane that cannot meet its due time even alone. `shed = late`
-refuses nothing: such requests are kept and served late.
+With `B` rows padded to `L`, a batch takes `t(B, L)` seconds (the online cost model). Shedding
+is a last resort: a call is refused at admission (429/503 with Retry-After, by `shed`) only
+when, even served as early as the scheduler would ever serve it, it cannot finish by its due
+time. What it cannot jump is counted ahead of it: the work still on the runner(s) (none when
+nothing is in flight) and the queued requests of its own priority level or above that are due
+no later than it (lane by lane in full batches, its own inputs in its lane: `queued_work`);
+queued requests of lower levels or later due times would be served after it. Then its own
+`t(1, len)`. The scheduler sheds a request at the head of its lane that cannot meet its due
+time even alone. `shed = late` refuses nothing: such requests are kept and served late.
+
+The predictions are kept honest by what the runner measures: each finished batch moves the
+predicted end of the emitted work by its measured minus predicted time, and the shedding
+decisions scale the cost model's times by `drift`, the recent measured / predicted ratio
+(a moving average over about five batches, `AdaptiveState.observe_batch`): a slowdown (another
+process on the cores) or a speed-up counts at once, not only once the window's fit has moved.
+
+Every refusal and shed is recorded with what was predicted (`core.decisions.DecisionLog`).
 
 `Shedding` is the admission side of `core.adaptive.AdaptiveState` (its base class), kept apart
 from the batch-forming side; it reads the state's policy, estimates and backlog.
@@ -17,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lenbatch.config import ShedMode
+from lenbatch.core.decisions import DecisionLog, ShedDecision
 from lenbatch.core.errors import LenbatchError
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
@@ -35,14 +47,48 @@ class Shedding:
     concurrency: int  # batches the runner(s) execute at once
     backlog_end: float  # predicted time the runner(s) finish what was emitted
     shed_counts: dict[str, int]  # "admission": refused; "queue": shed from a lane
+    decisions: DecisionLog  # why each was refused or shed
 
-    def queued_work(self, queues: Queues, cfg: SchedulerConfig) -> float:
-        """Predicted seconds to run everything queued, lane by lane in full batches."""
+    @property
+    def drift(self) -> float:
+        """Recent measured / predicted batch time (`AdaptiveState.drift`)."""
+        raise NotImplementedError
+
+    def running_work(self, queues: Queues, now: float) -> float:
+        """Predicted seconds until a runner slot frees up for queued work: what was emitted
+        and has not finished, 0 when nothing is in flight (a stale prediction is not work)."""
+        if queues.inflight_total <= 0:
+            return 0.0
+        return max(0.0, self.backlog_end - now)
+
+    def queued_work(
+        self,
+        queues: Queues,
+        cfg: SchedulerConfig,
+        due: float | None = None,
+        priority: int = 0,
+        extra: Sequence[int] = (),
+    ) -> tuple[float, int]:
+        """Predicted seconds to run the queued requests a call due at `due` with `priority`
+        cannot jump (all of them when `due` is None), lane by lane in full batches, with the
+        call's own inputs of lengths `extra` in their lanes; and how many requests that is
+        (not counting `extra`)."""
         co = self.estimates.cost.coefficients
         padded = self.estimates.padded
+        pol = self.policy
+        own: dict[int, int] = {}
+        for n in extra:
+            lane = queues.lane_of(n)
+            own[lane] = own.get(lane, 0) + 1
         work = 0.0
+        ahead = 0
         for i, q in enumerate(queues.lanes):
-            n = len(q)
+            if due is None:
+                n = len(q)
+            else:
+                n = sum(1 for r in q if r.priority >= priority and pol.due(r) <= due)
+            ahead += n
+            n += own.get(i, 0)
             if not n:
                 continue
             cap = cfg.lanes[i].max_batch
@@ -52,7 +98,7 @@ class Shedding:
             work += full * co.seconds(cap, pad)
             if rest:
                 work += co.seconds(rest, pad)
-        return work / self.concurrency
+        return work / self.concurrency, ahead
 
     def admit(
         self,
@@ -61,18 +107,86 @@ class Shedding:
         queues: Queues,
         cfg: SchedulerConfig,
         now: float,
+        priority: int = 0,
     ) -> LenbatchError | None:
         """None if a call of `lengths` due at `due` can meet it given the work predicted ahead
-        of it; else the 429/503 (with Retry-After) to answer at once. Never refuses with
+        of it that it cannot jump (see the module docstring); else the 429/503 (with
+        Retry-After) to answer at once, recorded in the decision log. Never refuses with
         `shed = late`."""
         if self.policy.shed is ShedMode.LATE or not lengths:
             return None
-        ahead = max(0.0, self.backlog_end - now) + self.queued_work(queues, cfg)
-        own = self.estimates.cost.seconds(1, max(lengths))
-        if now + ahead + own <= due:
+        running = self.running_work(queues, now)
+        co = self.estimates.cost.coefficients
+        longest = max(lengths)
+        drift = self.drift  # the model's times as the last batches measured them
+        own = drift * co.seconds(1, longest)
+        queued, ahead = self.queued_work(queues, cfg, due, priority, lengths)
+        queued *= drift
+        # `queued` holds the call's own inputs in their lanes' batches: it ends with them
+        finish = now + running + max(queued, own)
+        if finish <= due:
             return None
         self.shed_counts["admission"] += 1
-        return self.policy.refusal(ahead, due - now, own)
+        lane = queues.lane_of(longest)
+        start = now + running
+        self._record(
+            "admission",
+            now,
+            longest,
+            len(lengths),
+            lane,
+            priority,
+            due,
+            start,
+            finish,
+            running,
+            queued,
+            ahead,
+            queues,
+        )
+        # Retry-After: the work ahead of it (its own share taken out of its lane's batches)
+        return self.policy.refusal(running + max(0.0, queued - own), due - now, own)
+
+    def _record(
+        self,
+        where: str,
+        now: float,
+        length: int,
+        inputs: int,
+        lane: int,
+        priority: int,
+        due: float,
+        start: float,
+        finish: float,
+        running: float,
+        queued: float,
+        ahead: int,
+        queues: Queues,
+    ) -> None:
+        co = self.estimates.cost.coefficients
+        self.decisions.record(
+            ShedDecision(
+                at=now,
+                where=where,
+                length=length,
+                inputs=inputs,
+                lane=lane,
+                priority=priority,
+                due_in=due - now,
+                start_in=start - now,
+                finish_in=finish - now,
+                running_s=running,
+                queued_s=queued,
+                queue_ahead=ahead,
+                queued=queues.size,
+                inflight=queues.inflight_total,
+                cost_a_s=co.a,
+                cost_b_s=co.b,
+                cost_c_s=co.c,
+                observed_batches=self.estimates.cost.observed,
+                drift=self.drift,
+            )
+        )
 
     def shed_error(self, r: Request, now: float) -> LenbatchError:
         """The answer of a queued request shed because it can no longer meet its due time."""

@@ -47,6 +47,7 @@ from lenbatch.core.clock import Clock
 from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.errors import BadInput, LenbatchError, ModelFailed
 from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.occupancy import SlotGaps
 from lenbatch.core.recovery import BatchCaps
 from lenbatch.core.refit import Fitter, optimal_bounds
 from lenbatch.core.request import Request
@@ -126,6 +127,8 @@ class Engine(BaseEngine[Vector]):
             default_truncate=default_truncate,
         )
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        # the server's own time per batch around the model call, which the cost model learns
+        self.gaps = SlotGaps(self.batching.max_concurrent_batches)
         ac = adaptive or AdaptiveConfig()
         self.priority_levels = ac.priority_levels
         # strategy adaptive: what it learns (cost model, arrival rates) lives here, the
@@ -175,6 +178,7 @@ class Engine(BaseEngine[Vector]):
         out: dict[str, Any] = {
             "batch_caps": self.caps.describe(self.clock.now(), self.lane_labels),
             "priority_levels": self.priority_levels,
+            "runner_gaps": self.gaps.describe(),
         }
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe(self.lane_labels, self.clock.now())
@@ -256,7 +260,7 @@ class Engine(BaseEngine[Vector]):
         due = None
         if ad is not None:
             due = ad.due_of(now, priority, timeout)
-            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now)
+            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now, priority)
             if shed is not None:
                 self.metrics.record_rejection(shed.code)
                 self.metrics.record_shed("admission")
@@ -336,16 +340,18 @@ class Engine(BaseEngine[Vector]):
         waits for a runner slot); returns the tasks."""
         tasks = []
         for batch in batches:
-            task = asyncio.create_task(self._run_batch(batch))
+            task = asyncio.create_task(self._run_batch(batch, self.clock.now()))
             self._batch_tasks.add(task)
             task.add_done_callback(self._batch_tasks.discard)
             tasks.append(task)
         return tasks
 
-    def _update(self, event: BatchEvent) -> None:
+    def _update(self, event: BatchEvent, gap: float = 0.0) -> None:
         """Step 3: apply what a batch came to, as it happens: start, answer or fail its
         requests through the ledger; record the call's figures, feed the cost model, lower a
-        batch cap after out-of-memory, or declare the runner crashed."""
+        batch cap after out-of-memory, or declare the runner crashed. `gap`: the seconds the
+        runner slot sat idle before this call (`core.occupancy`), which the cost model learns
+        with the call's own time."""
         match event:
             case Started(requests, at):
                 for r in requests:
@@ -356,14 +362,14 @@ class Engine(BaseEngine[Vector]):
             case Refused(requests):
                 self._refuse_all(requests)
             case Returned():
-                self._returned(event)
+                self._returned(event, gap)
             case Failed():
                 self._failed(event)
             case Crashed(lane, reason, requests):
                 self.crash(lane, reason)
                 self._refuse_all(requests)
 
-    def _returned(self, call: Returned) -> None:
+    def _returned(self, call: Returned, gap: float = 0.0) -> None:
         """Record a model call that returned and answer its requests."""
         lane = call.lane
         self.metrics.record_batch(
@@ -380,7 +386,7 @@ class Engine(BaseEngine[Vector]):
         )
         if self.adaptive is not None:
             longest = max(r.length for r in call.requests)
-            self.adaptive.observe_batch(lane, call.size, longest, call.exec_s)
+            self.adaptive.observe_batch(lane, call.size, longest, call.exec_s + gap)
         for r, vec in zip(call.requests, call.vectors, strict=True):
             r.handle.exec_s = call.exec_s
             self.ledger.answer(r.handle, vec)
@@ -433,13 +439,20 @@ class Engine(BaseEngine[Vector]):
         self.adaptive.hold = False
         self.apply_caps()
 
-    async def _run_batch(self, batch: Batch) -> None:
+    async def _run_batch(self, batch: Batch, emitted: float) -> None:
         pad_to = self.cfg.lanes[batch.lane].pad_to
         events = self.batches.run(batch, pad_to, failed=self._has_failed, wanted=_wanted)
+        gap = 0.0
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
-                    self._update(event)
+                    if isinstance(event, Started):
+                        gap = self.gaps.started(event.at, emitted)
+                    elif isinstance(event, Returned):
+                        self.gaps.ended(event.started + event.exec_s)
+                    elif isinstance(event, Failed):
+                        self.gaps.ended(self.clock.now())
+                    self._update(event, gap)
         except Exception:  # a bug above the runner: never leave a request hanging
             log.exception("bug: batch of lane %s failed outside the runner", batch.lane)
             for r in batch.requests:

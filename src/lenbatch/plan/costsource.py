@@ -4,9 +4,11 @@ processor, from a folder of cost models), or a live server's online-fitted model
 `--cost` of `simulate`, `tune`, `fit`, `predict`, `bench` and `serve` takes any of the three:
 
 - `PATH`: that JSON file (`lenbatch profile` or `lenbatch calibrate` output);
-- `auto`: among the `*.json` cost models in the cost folders (`cost_folders()`:
-  `$LENBATCH_COST_DIR` if set, else the source checkout's `bench/results/`, found from the
-  package's location, never the current directory), the one measured on this machine's
+- `auto`: among the `*.json` cost models in the cost folders (`cost_folders()`: first the
+  user's cache of self-calibrated models for this lenbatch and torch version
+  (`plan.costcache`), then `$LENBATCH_COST_DIR` if set, else the source checkout's
+  `bench/results/`, found from the package's location, never the current directory), the
+  one measured on this machine's
   processor (`processor_mismatch` finds no difference: vendor, family, model number, ISA
   flags and the torch thread count; an older key without model number never matches) and
   with the quantization the command runs, preferring the float type and execution it runs
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lenbatch.core.costkey import ProcessorKey
+from lenbatch.plan.costcache import cost_cache_dir
 from lenbatch.plan.costmodel import CostModel, processor_mismatch
 
 __all__ = [
@@ -198,14 +201,20 @@ def fetch_online_cost(url: str, timeout_s: float = 5.0) -> CostModel:
     return cost_from_stats(stats, base)
 
 
-def cost_folders(environ: Mapping[str, str] | None = None) -> tuple[Path, ...]:
-    """Where `--cost auto` looks, in order: `$LENBATCH_COST_DIR` alone when set, else the
-    source checkout's `bench/results/` (`SOURCE_COST_DIR`). A per-user cache folder of
-    calibrated models, when there is one, belongs after it."""
+def cost_folders(
+    environ: Mapping[str, str] | None = None, *, cache: bool = False
+) -> tuple[Path, ...]:
+    """Where `--cost auto` looks, in order: with `cache`, the user's cache of self-calibrated
+    cost models for this lenbatch and torch version (`plan.costcache.cost_cache_dir`) when it
+    exists; then `$LENBATCH_COST_DIR` when set, else the source checkout's `bench/results/`
+    (`SOURCE_COST_DIR`)."""
     env = os.environ if environ is None else environ
+    first: tuple[Path, ...] = ()
+    if cache and cost_cache_dir(env).is_dir():
+        first = (cost_cache_dir(env),)
     if env.get(COST_DIR_ENV):
-        return (Path(env[COST_DIR_ENV]).expanduser(),)
-    return (SOURCE_COST_DIR,)
+        return (*first, Path(env[COST_DIR_ENV]).expanduser())
+    return (*first, SOURCE_COST_DIR)
 
 
 def choose_auto(
@@ -215,11 +224,13 @@ def choose_auto(
     execution: str | None = None,
     quantization: str | None = None,
     environ: Mapping[str, str] | None = None,
+    cache: bool = True,
 ) -> tuple[Path, str]:
-    """`--cost auto`: `choose_cost_file` in each of `cost_folders()` until one matches;
-    raises ValueError with every folder's reason when none does."""
+    """`--cost auto`: `choose_cost_file` in each of `cost_folders()` (the self-calibration
+    cache first, unless `cache` is off) until one matches; raises ValueError with every
+    folder's reason when none does."""
     errors: list[str] = []
-    for folder in cost_folders(environ):
+    for folder in cost_folders(environ, cache=cache):
         try:
             return choose_cost_file(
                 folder, here, dtype=dtype, execution=execution, quantization=quantization

@@ -1,0 +1,312 @@
+"""The `adaptive-goodput` recipe's work: capacity first, then every strategy at fractions and
+multiples of it, live beside the simulator, with adaptive's decision log (issue 24).
+
+1. **Capacity**: `bucketed` (as `make serve` configures it, 1 s SLO) replayed far past
+   saturation on the dev trace window (`--length-scale 0.1 --max-length 256`); capacity is its
+   completions per second (`throughput_rps`: completed / first arrival to last answer). The
+   first server start also self-calibrates and caches this machine's cost model.
+2. **Rates**: the same window replayed at `0.2, 0.5, 0.8, 1.5, 3` x capacity (mean rates), each
+   strategy on one server kept across the rates, `--repeats` times, with the simulator's
+   prediction of each run (`--cost`: the self-calibrated model of this processor).
+3. **Bursts**: the `bursts` scenario at a mean rate of `--bursts-load` x capacity, each repeat.
+4. **Table** (`summary.md`): per rate and strategy, goodput (answers within 1 s per second of
+   offered traffic; mean and range over repeats), shed %, P95, the simulator's P95 and shed
+   with the model measured at start-up and with the one `lenbatch bench` calibrated from the
+   first repeat (`calibrated_cost.json`: the live server's overheads), adaptive's goodput over
+   the best other target's and over capacity, and the decision log's worst burst (`/stats`
+   `adaptive.decisions.worst_burst` of each adaptive server).
+
+Nothing here is timed by itself: it runs `lenbatch bench` and reads what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from steps import ROOT, lenbatch
+
+__all__ = ["GoodputPlan", "goodput_table", "plan_from_args", "run_goodput"]
+
+TRACE = ("azure-conv", "--length-scale", "0.1", "--max-length", "256")
+CONFIG = "configs/minilm-azure-conv.toml"
+SLO_S = 1.0
+
+
+@dataclass(frozen=True)
+class GoodputPlan:
+    """What the recipe runs (from its flags)."""
+
+    out: str
+    start: str
+    span: str
+    loads: tuple[float, ...]
+    strategies: str
+    peers: str
+    repeats: int
+    overload: float  # the capacity run's rate multiplier of the trace
+    bursts_load: float
+    bursts_duration: str
+    conditions: str
+
+    def serve_args(self) -> str:
+        """Every lenbatch server's flags: `make serve`'s."""
+        return f"--config {CONFIG} --slo-ms {SLO_S * 1000:g} --cost auto"
+
+    def bench(self, *args: str, report: str) -> Any:
+        """A `lenbatch bench` command of this recipe."""
+        return lenbatch("bench", *args, "--serve-args", self.serve_args(), "--no-progress",
+                        "--conditions", self.conditions, "--report", report)  # fmt: skip
+
+    def capacity_cmd(self) -> Any:
+        """Step 1."""
+        return self.bench(*TRACE, "--start", self.start, "--span", self.span,
+                          "--rate-scale", f"{self.overload:g}", "--strategies", "bucketed",
+                          report=f"{self.out}/capacity")  # fmt: skip
+
+    def rates_cmd(self, sweep: str, cost: str, rep: int) -> Any:
+        """Step 2, one repeat (`sweep`: trace-rate multipliers)."""
+        peers = () if self.peers in ("", "none") else ("--peer", self.peers)
+        return self.bench(*TRACE, "--start", self.start, "--span", self.span,
+                          "--rate-sweep", sweep, "--keep-server",
+                          "--strategies", self.strategies, *peers, "--cost", cost,
+                          report=f"{self.out}/rates-{rep}")  # fmt: skip
+
+    def bursts_cmd(self, rate: float, cost: str, rep: int) -> Any:
+        """Step 3, one repeat."""
+        return self.bench("--scenario", "bursts", "--rate", f"{rate:.2f}",
+                          "--duration", self.bursts_duration, "--max-length", "256",
+                          "--seed", str(rep), "--strategies", self.strategies, "--cost", cost,
+                          report=f"{self.out}/bursts-{rep}")  # fmt: skip
+
+    def describe(self) -> str:
+        """What `--dry-run` prints: the commands, with what is only known after step 1."""
+        lines = [
+            self.capacity_cmd().describe(),
+            "# capacity C = bucketed's throughput_rps above; r0 = the window's mean rate;",
+            "# SWEEP = each load x C / r0; COST = the self-calibrated cost file of this CPU",
+        ]
+        for rep in range(1, self.repeats + 1):
+            lines.append(self.rates_cmd("SWEEP", "COST", rep).describe())
+            lines.append(self.bursts_cmd(0.0, "COST", rep).describe().replace("0.00", "RATE"))
+        lines.append(f"# table: {self.out}/summary.md")
+        return "\n".join(lines)
+
+
+def plan_from_args(args: Any) -> GoodputPlan:
+    """The plan the `adaptive-goodput` recipe's flags describe."""
+    return GoodputPlan(
+        out=args.out,
+        start=args.start,
+        span=args.span,
+        loads=tuple(float(x) for x in args.loads.split(",")),
+        strategies=args.strategies,
+        peers=args.peers,
+        repeats=int(args.repeats),
+        overload=float(args.overload),
+        bursts_load=float(args.bursts_load),
+        bursts_duration=args.bursts_duration,
+        conditions=args.conditions,
+    )
+
+
+def _runs(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("runs/*.json"))]
+
+
+def _window_rate(plan: GoodputPlan) -> float:
+    """Mean requests per second of the trace window at x1."""
+    from lenbatch.plan.trace import load_trace, map_trace
+
+    start, end = float(plan.start), float(plan.start) + float(plan.span)
+    t = map_trace(load_trace("azure-conv"), length_scale=0.1, max_length=256, start_s=start,
+                  end_s=end)  # fmt: skip
+    return len(t) / float(plan.span)
+
+
+def _cost_file() -> str:
+    """The cost model measured on this processor as `make serve` runs it (1 torch thread,
+    the dtype `auto` picks, packed): the self-calibrated one the first server cached."""
+    from lenbatch.plan.costsource import choose_auto
+    from lenbatch.runners.hardware import processor_key, resolve_precision
+
+    dtype = resolve_precision("auto").name
+    path, _ = choose_auto(processor_key("cpu", 1), dtype=dtype, execution="packed")
+    return str(path)
+
+
+def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
+    """Run the recipe's steps (see the module docstring) and write `summary.md`."""
+    out = ROOT / plan.out
+    plan.capacity_cmd().run(env)
+    (cap_run,) = _runs(out / "capacity")
+    capacity = float(cap_run["summary"]["throughput_rps"])
+    r0 = _window_rate(plan)
+    sweep = ",".join(f"{m * capacity / r0:.3f}" for m in plan.loads)
+    cost = _cost_file()
+    meta = {"capacity_rps": capacity, "window_rps": r0, "loads": plan.loads, "sweep": sweep,
+            "cost": cost, "start": plan.start, "span": plan.span}  # fmt: skip
+    (out / "capacity.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    print(f"capacity {capacity:.1f} req/s (window {r0:.2f} req/s at x1): sweep x{sweep}")
+    for rep in range(1, plan.repeats + 1):
+        plan.rates_cmd(sweep, cost, rep).run(env)
+        plan.bursts_cmd(plan.bursts_load * capacity, cost, rep).run(env)
+    text = goodput_table(out)
+    (out / "summary.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+
+
+def _good(record: Mapping[str, Any]) -> tuple[float, float, int]:
+    """Goodput (answers within the SLO per second of offered traffic), shed share, requests."""
+    from lenbatch.plan.summary import OUTCOME_OK
+    from lenbatch.replay.results import ReplayResult
+
+    res = ReplayResult.from_json(record["result"])
+    s = record["summary"]
+    n = int(s["requests"])
+    offered = s.get("offered_rps") or n / max(s["duration_s"], 1e-9)
+    wall = n / offered
+    ok = (res.outcomes == OUTCOME_OK) & (res.latencies <= SLO_S)
+    return float(ok.sum()) / wall, float(s["rejected"]) / max(n, 1), n
+
+
+def _sim(record: Mapping[str, Any], cost_path: Path, meta: Mapping[str, Any]) -> Any:
+    """The simulator's run of `record`'s strategy and rate with the cost model at
+    `cost_path` (the dev-trace window, `make serve`'s config), or None for a peer."""
+    from lenbatch.config import AdaptiveConfig, Strategy, load_settings
+    from lenbatch.plan.costmodel import CostModel
+    from lenbatch.plan.sim import simulate
+    from lenbatch.plan.trace import load_trace, map_trace
+
+    if record.get("kind") != "strategy":
+        return None
+    settings = load_settings(str(ROOT / CONFIG), {}, {})
+    batching = settings.batching.model_copy(update={"strategy": Strategy(record["name"])})
+    start, span = float(meta["start"]), float(meta["span"])
+    t = map_trace(load_trace("azure-conv"), length_scale=0.1, max_length=256, start_s=start,
+                  end_s=start + span, rate_scale=float(record["rate"]))  # fmt: skip
+    return simulate(t, CostModel.load(cost_path), batching, settings.admission, max_length=256,
+                    adaptive=AdaptiveConfig(slo_ms=SLO_S * 1000))  # fmt: skip
+
+
+def _sim_cells(run: Any) -> tuple[float | None, float | None]:
+    from lenbatch.plan.summary import OUTCOME_OK, OUTCOME_REJECTED
+
+    if run is None:
+        return None, None
+    lat = run.latencies[run.outcomes == OUTCOME_OK]
+    p95 = float(np.percentile(lat, 95) * 1000) if len(lat) else None
+    return p95, float(np.mean(run.outcomes == OUTCOME_REJECTED))
+
+
+def _worst_burst(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The decision log's worst burst in the server's `/stats` after the run (adaptive)."""
+    from lenbatch.replay.results import ReplayResult
+
+    stats = ReplayResult.from_json(record["result"]).stats_after or {}
+    decisions = (stats.get("adaptive") or {}).get("decisions") or {}
+    burst = decisions.get("worst_burst")
+    return burst if isinstance(burst, dict) else None
+
+
+def _fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _spread(values: Sequence[float]) -> str:
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ({min(values):.1f}–{max(values):.1f})"
+
+
+def goodput_table(out: Path) -> str:
+    """`summary.md` from the files `run_goodput` wrote under `out`."""
+    meta = json.loads((out / "capacity.json").read_text(encoding="utf-8"))
+    cap = float(meta["capacity_rps"])
+    rates_dirs = sorted(out.glob("rates-*"))
+    calibrated = rates_dirs[0] / "calibrated_cost.json" if rates_dirs else None
+    if calibrated is not None and not calibrated.exists():
+        calibrated = None
+    sweep = [float(x) for x in str(meta["sweep"]).split(",")]
+    loads = dict(zip(sweep, meta["loads"], strict=True))
+    cells: dict[tuple[float, str], list[tuple[float, float, int, float | None]]] = {}
+    first: dict[tuple[float, str], dict[str, Any]] = {}
+    worst: list[tuple[str, dict[str, Any]]] = []
+    for folder in rates_dirs:
+        last_burst = None  # the server is kept across rates: its log at the last rate
+        for rec in sorted(_runs(folder), key=lambda r: float(r["rate"])):
+            key = (min(sweep, key=lambda x: abs(x - float(rec["rate"]))), rec["name"])
+            good, shed, n = _good(rec)
+            cells.setdefault(key, []).append((good, shed, n, rec["summary"].get("p95_ms")))
+            first.setdefault(key, rec)
+            burst = _worst_burst(rec)
+            if burst is not None:
+                last_burst = (f"{folder.name}, {rec['name']} (all rates)", burst)
+        if last_burst is not None:
+            worst.append(last_burst)
+    sim_meta = {"start": meta["start"], "span": meta["span"]}
+    lines = [
+        f"Capacity (bucketed's completions/s far past saturation): **{cap:.1f} req/s**; the "
+        f"window offers {meta['window_rps']:.2f} req/s at x1. Goodput = answers within "
+        f"{SLO_S:g} s per second of offered traffic, mean (range) over {len(rates_dirs)} "
+        "repeats. Predicted: `simulate` with the cost model measured at start-up "
+        f"({Path(meta['cost']).name}) / with `calibrated_cost.json` of the first repeat.",
+        "",
+        "| load | target | goodput req/s | shed % | P95 ms | predicted P95 ms | predicted "
+        "shed % | adaptive / best other | adaptive / capacity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rate in sweep:
+        names = sorted({name for (r, name) in cells if r == rate})
+        goods = {name: statistics.fmean(c[0] for c in cells[(rate, name)]) for name in names}
+        best_other = max((g for name, g in goods.items() if name != "adaptive"), default=None)
+        for name in names:
+            runs = cells[(rate, name)]
+            p95s = [c[3] for c in runs if c[3] is not None]
+            preds = [_sim_cells(_sim(first[(rate, name)], Path(meta["cost"]), sim_meta))]
+            if calibrated is not None:
+                preds.append(_sim_cells(_sim(first[(rate, name)], calibrated, sim_meta)))
+            pp95 = " / ".join(_fmt(p[0]) for p in preds)
+            pshed = " / ".join(_fmt(None if p[1] is None else 100 * p[1], ".1f") for p in preds)
+            ratio = vs_cap = ""
+            if name == "adaptive":
+                ratio = _fmt(goods[name] / best_other, ".2f", "x") if best_other else "–"
+                vs_cap = _fmt(goods[name] / cap, ".2f")
+            lines.append(
+                f"| {loads[rate]:g}x | {name} | {_spread([c[0] for c in runs])} | "
+                f"{_spread([100 * c[1] for c in runs])} | "
+                f"{_fmt(statistics.fmean(p95s) if p95s else None)} | {pp95} | {pshed} | "
+                f"{ratio} | {vs_cap} |"
+            )
+    lines += ["", "Bursts scenario:", "", "| repeat | target | goodput req/s | shed % | P95 ms |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for folder in sorted(out.glob("bursts-*")):
+        for rec in _runs(folder):
+            good, shed, _ = _good(rec)
+            lines.append(f"| {folder.name} | {rec['name']} | {good:.1f} | {100 * shed:.1f} | "
+                         f"{_fmt(rec['summary'].get('p95_ms'))} |")  # fmt: skip
+            burst = _worst_burst(rec)
+            if burst is not None:
+                worst.append((f"{folder.name}, {rec['name']}", burst))
+    lines += ["", "Decision log, worst one-second burst of each adaptive server:", ""]
+    for where, b in worst:
+        lines.append(
+            f"- {where}: {b['shed']} shed ({b['by_where']}); predicted late by "
+            f"{b['median_late_by_ms']:.0f} ms (median, least {b['min_late_by_ms']:.0f}); "
+            f"predicted start in {b['median_start_in_ms']:.0f} ms of a "
+            f"{b['median_due_in_ms']:.0f} ms budget; running {b['median_running_ms']:.0f} ms + "
+            f"queued {b['median_queued_ms']:.0f} ms ahead ({b['median_queue_ahead']} requests, "
+            f"{b['max_queued']} queued at most); cost model a={b['cost_model']['a_s'] * 1000:.1f}"
+            f" ms, b={b['cost_model']['b_s_per_token'] * 1e6:.1f} us/token after "
+            f"{b['cost_model']['observed_batches']} batches"
+        )
+    if not worst:
+        lines.append("- none: adaptive shed nothing")
+    return "\n".join(lines)
