@@ -340,15 +340,32 @@ async def closed_loop(url: str, docs: list[str], seconds: float, clients: int) -
     return done / seconds
 
 
+def write_config(path: Path, models: list[dict[str, object]], dtype: str) -> Path:
+    """A TOML config serving `models` ([[models]] tables, each truncating, in `dtype`)."""
+    lines: list[str] = []
+    for m in models:
+        lines += ["[[models]]", *(f"{k} = {json.dumps(v)}" for k, v in m.items())]
+        lines += [f"dtype = {json.dumps(dtype)}", "truncate = true", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
 def two_models_part(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     queries, docs = texts()
     n = int(args.embed_rate * args.duration)
     out: dict[str, Any] = {}
-    serve = [*LENBATCH, "serve", "--log-level", "warning",
-             "--truncate", *args.serve_args.split()]  # fmt: skip
-    alone = [*serve, "--model", "minilm", "--served-model-name", "embedder"]
-    both = [*serve, "--model", "minilm", "--model", str(folder),
-            "--served-model-name", "embedder", "--served-model-name", "reranker"]  # fmt: skip
+    embedder: dict[str, object] = {"name": "minilm", "served_name": "embedder"}
+    reranker: dict[str, object] = {"name": str(folder), "served_name": "reranker"}
+    if args.rerank_batch_tokens:
+        reranker["max_batch_tokens"] = args.rerank_batch_tokens
+    configs = ROOT / args.out
+    configs.mkdir(parents=True, exist_ok=True)
+    alone_cfg = write_config(configs / "single.toml", [embedder], args.dtype)
+    both_cfg = write_config(configs / "two.toml", [embedder, reranker], args.dtype)
+    serve = [*LENBATCH, "serve", "--log-level", "warning"]
+    alone = [*serve, "--config", str(alone_cfg)]
+    both = [*serve, "--config", str(both_cfg)]
+    out["configs"] = {"single": alone_cfg.read_text(), "two": both_cfg.read_text()}
 
     async def embed_under(url: str, burst: bool) -> tuple[list[float], int, int]:
         load = open_loop(url, "/v1/embeddings", embed_bodies(n, args.seed, docs),
@@ -440,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embed-rate", type=float, default=4, help="two-models: embed calls/s")
     p.add_argument("--burst-rate", type=float, default=0.5, help="two-models: rerank calls/s")
     p.add_argument("--clients", type=int, default=8, help="two-models: closed-loop callers")
+    p.add_argument(
+        "--rerank-batch-tokens",
+        type=int,
+        default=2048,
+        help="two-models: the reranker's own max_batch_tokens (0: the shared 8192); an "
+        "embedding batch may wait for one rerank batch",
+    )
+    p.add_argument("--dtype", default="float32", help="two-models: both models' dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/rerank", help="folder for report.md/json")
     p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")

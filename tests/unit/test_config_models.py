@@ -202,3 +202,17 @@ def test_auto_task_of_names_and_explicit_tasks(tmp_path: Path) -> None:
     (bad / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a JSON object"):
         resolve_task(str(bad))
+
+
+def test_a_models_own_batch_token_cap() -> None:
+    """`max_batch_tokens` in a [[models]] table is that model's batching cap; the others keep
+    the shared one."""
+    s = Settings.model_validate(
+        {
+            "models": [{"name": "minilm"}, {"name": "/m/reranker", "max_batch_tokens": 2048}],
+            "batching": {"max_batch_tokens": 4096},
+        }
+    )
+    first, second = (s.for_model(m) for m in s.served_models())
+    assert first.batching.max_batch_tokens == 4096
+    assert second.batching.max_batch_tokens == 2048

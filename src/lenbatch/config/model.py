@@ -77,6 +77,11 @@ class ModelConfig(BaseModel):
     tokens only; BERT-family encoders), `padded` (to the batch's longest member), or `auto`
     (packed where the model supports it, else padded)."""
 
+    max_batch_tokens: int | None = Field(None, ge=1)
+    """This model's own `[batching] max_batch_tokens` (None: the shared one). With several
+    models on one CPU a call is never preempted, so another model's batch may wait for one of
+    this model's: a small cap on a reranker bounds what the embeddings wait."""
+
     def default_served_name(self) -> str:
         """The served name when none is given, as far as the config can tell: the folder's or
         file's name (`.gguf` dropped). A built-in model reports its own name at run time."""

@@ -95,9 +95,15 @@ class Settings(BaseModel):
 
     def for_model(self, model: ModelConfig) -> Settings:
         """These settings serving `model` alone (as `[model]`, its served name in `[server]`
-        too): what a single-model server runs with, from an entry of `served_models()`."""
+        too, its own `max_batch_tokens` in `[batching]` if it has one): what a single-model
+        server runs with, from an entry of `served_models()`."""
         server = self.server.model_copy(update={"served_model_name": model.served_name})
-        return self.model_copy(update={"model": model, "models": (), "server": server})
+        update: dict[str, Any] = {"model": model, "models": (), "server": server}
+        if model.max_batch_tokens is not None:
+            update["batching"] = self.batching.model_copy(
+                update={"max_batch_tokens": model.max_batch_tokens}
+            )
+        return self.model_copy(update=update)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
