@@ -412,3 +412,31 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
     assert rows[0].endswith("| 1.12x | 0.19 |")  # 9.5 / mean(9.0, 8.0); 9.5 / 50
     assert rows[1].startswith("| 0.5x | bucketed | 8.5 (8.0–9.0) | 0.0 (0.0–0.0) |")
     assert "rates-2, adaptive (all rates): 12 shed" in text
+
+
+def test_bench_looks_the_cost_up_under_the_servers_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench --cost auto` resolves the file measured with the thread count the servers run
+    with (their config's `torch_threads`), not the bench process's own."""
+    from lenbatch.cli.bench import served_threads_and_dtype
+    from lenbatch.cli.common import pin_cost_spec
+    from lenbatch.runners import hardware
+
+    config = tmp_path / "one-thread.toml"
+    config.write_text('[model]\ntorch_threads = 1\ndtype = "float32"\n')
+    threads, dtype = served_threads_and_dtype(["--config", str(config)], "minilm")
+    assert (threads, dtype) == (1, "float32")
+    assert served_threads_and_dtype([], "minilm")[0] is None
+    assert served_threads_and_dtype(["--no-such-flag"], "minilm") == (None, None)
+
+    folder = tmp_path / "costs"
+    folder.mkdir()
+    key = "cpu:Test CPU [TestVendor family 1 model 2; avx2] x{}"
+    monkeypatch.setattr(hardware, "processor_key", lambda d="cpu", t=None: key.format(t or 2))
+    monkeypatch.setenv("LENBATCH_COST_DIR", str(folder))
+    monkeypatch.setenv("LENBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    CostModel(0.01, processor=key.format(2)).save(folder / "x2.json")
+    CostModel(0.02, processor=key.format(1)).save(folder / "x1.json")
+    assert Path(pin_cost_spec("auto", threads=threads)).name == "x1.json"
+    assert Path(pin_cost_spec("auto")).name == "x2.json"
