@@ -353,7 +353,7 @@ class AdaptiveState(Shedding):
         meet their due time even alone (shed)."""
         q = queues.lanes[lane]
         co = self.cost.coefficients
-        drift = self.drift
+        drift = self.drift * self.cpu_slowdown(now)
         shed_on = self.policy.shed is not ShedMode.LATE
         while True:
             window = self._ordered(q, now, cap)
