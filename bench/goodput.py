@@ -3,8 +3,10 @@ multiples of it, live beside the simulator, with adaptive's decision log (issue 
 
 1. **Capacity**: `bucketed` (as `make serve` configures it, 1 s SLO) replayed far past
    saturation on the dev trace window (`--length-scale 0.1 --max-length 256`); capacity is its
-   completions per second (`throughput_rps`: completed / first arrival to last answer). The
-   first server start also self-calibrates and caches this machine's cost model.
+   completions per second (`throughput_rps`: completed / first arrival to last answer).
+   Before it, the cost model of this processor as `make serve` runs it is found, or measured
+   and cached by the self-calibration `serve` runs at first start (a `bucketed` server reads
+   no cost model, so it would not).
 2. **Rates**: the same window replayed at `0.2, 0.5, 0.8, 1.5, 3` x capacity (mean rates), each
    strategy on one server kept across the rates, `--repeats` times, with the simulator's
    prediction of each run (`--cost`: the self-calibrated model of this processor).
@@ -90,7 +92,8 @@ class GoodputPlan:
         lines = [
             self.capacity_cmd().describe(),
             "# capacity C = bucketed's throughput_rps above; r0 = the window's mean rate;",
-            "# SWEEP = each load x C / r0; COST = the self-calibrated cost file of this CPU",
+            "# SWEEP = each load x C / r0; COST = this CPU's cost file (cached, committed, or "
+            "self-calibrated before step 1)",
         ]
         for rep in range(1, self.repeats + 1):
             lines.append(self.rates_cmd("SWEEP", "COST", rep).describe())
@@ -130,26 +133,43 @@ def _window_rate(plan: GoodputPlan) -> float:
     return len(t) / float(plan.span)
 
 
-def _cost_file() -> str:
-    """The cost model measured on this processor as `make serve` runs it (1 torch thread,
-    the dtype `auto` picks, packed): the self-calibrated one the first server cached."""
-    from lenbatch.plan.costsource import choose_auto
-    from lenbatch.runners.hardware import processor_key, resolve_precision
+def _cost_file(plan: GoodputPlan) -> str:
+    """The cost model measured on this processor as `make serve` runs it (the config's torch
+    threads, the dtype `auto` picks, its execution): the cached self-calibration or a
+    matching committed file; where there is none, measured now, in this process, by the
+    bounded self-calibration `serve --strategy adaptive` runs at first start (cached for the
+    servers that follow). A `bucketed` server never calibrates: it reads no cost model."""
+    import shlex
 
-    dtype = resolve_precision("auto").name
-    path, _ = choose_auto(processor_key("cpu", 1), dtype=dtype, execution="packed")
+    from lenbatch.cli.main import build_parser
+    from lenbatch.cli.serve import settings_from_args
+    from lenbatch.plan.costsource import choose_auto
+    from lenbatch.plan.selfcal import auto_cost, runner_key
+    from lenbatch.runners import load_runner
+
+    ns = build_parser().parse_args(["serve", *shlex.split(plan.serve_args())])
+    settings = settings_from_args(ns)
+    m = settings.model
+    runner = load_runner(m.name, device=m.device, max_length=m.max_length,
+                         torch_threads=m.torch_threads, dtype=m.dtype,
+                         execution=m.execution)  # fmt: skip
+    found = auto_cost(runner, m.device, max_tokens=settings.batching.max_batch_tokens)
+    assert found is not None  # calibrate=True: measured when nothing matched
+    print(f"cost model: {found[1]}")
+    key, execution = runner_key(runner, m.device)
+    path, _ = choose_auto(key.processor, dtype=key.dtype, execution=execution)
     return str(path)
 
 
 def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
     """Run the recipe's steps (see the module docstring) and write `summary.md`."""
     out = ROOT / plan.out
+    cost = _cost_file(plan)
     plan.capacity_cmd().run(env)
     (cap_run,) = _runs(out / "capacity")
     capacity = float(cap_run["summary"]["throughput_rps"])
     r0 = _window_rate(plan)
     sweep = ",".join(f"{m * capacity / r0:.3f}" for m in plan.loads)
-    cost = _cost_file()
     meta = {"capacity_rps": capacity, "window_rps": r0, "loads": plan.loads, "sweep": sweep,
             "cost": cost, "start": plan.start, "span": plan.span}  # fmt: skip
     (out / "capacity.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
