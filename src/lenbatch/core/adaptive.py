@@ -13,9 +13,10 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
    cannot meet its due time even alone (`now + ahead + t(1, len) > due`) is answered at once,
    and at admission a call is refused only when it cannot finish by its due time even ahead
    of every queued request it may jump (`admit`, `core.shedding`). Both scale the model's
-   times by `drift`, how much slower or faster the last few batches ran than predicted. Each
-   is recorded with what was predicted (`decisions`, in `/stats`). `shed = late` keeps them
-   and serves them late.
+   times by `drift`, how much slower or faster the last few batches ran than predicted, and
+   by the slowdown the request-side CPU (HTTP, tokenization) causes at the current arrival
+   rate (`core.occupancy`). Each is recorded with what was predicted (`decisions`, in
+   `/stats`). `shed = late` keeps them and serves them late.
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
