@@ -3,8 +3,10 @@ multiples of it, live beside the simulator, with adaptive's decision log (issue 
 
 1. **Capacity**: `bucketed` (as `make serve` configures it, 1 s SLO) replayed far past
    saturation on the dev trace window (`--length-scale 0.1 --max-length 256`); capacity is its
-   completions per second (`throughput_rps`: completed / first arrival to last answer). The
-   first server start also self-calibrates and caches this machine's cost model.
+   completions per second (`throughput_rps`: completed / first arrival to last answer).
+   Before it, the cost model of this processor as `make serve` runs it is found, or measured
+   and cached by the self-calibration `serve` runs at first start (a `bucketed` server reads
+   no cost model, so it would not).
 2. **Rates**: the same window replayed at `0.2, 0.5, 0.8, 1.5, 3` x capacity (mean rates), each
    strategy on one server kept across the rates, `--repeats` times, with the simulator's
    prediction of each run (`--cost`: the self-calibrated model of this processor).
@@ -90,7 +92,8 @@ class GoodputPlan:
         lines = [
             self.capacity_cmd().describe(),
             "# capacity C = bucketed's throughput_rps above; r0 = the window's mean rate;",
-            "# SWEEP = each load x C / r0; COST = the self-calibrated cost file of this CPU",
+            "# SWEEP = each load x C / r0; COST = this CPU's cost file (cached, committed, or "
+            "self-calibrated before step 1)",
         ]
         for rep in range(1, self.repeats + 1):
             lines.append(self.rates_cmd("SWEEP", "COST", rep).describe())
@@ -130,26 +133,43 @@ def _window_rate(plan: GoodputPlan) -> float:
     return len(t) / float(plan.span)
 
 
-def _cost_file() -> str:
-    """The cost model measured on this processor as `make serve` runs it (1 torch thread,
-    the dtype `auto` picks, packed): the self-calibrated one the first server cached."""
-    from lenbatch.plan.costsource import choose_auto
-    from lenbatch.runners.hardware import processor_key, resolve_precision
+def _cost_file(plan: GoodputPlan) -> str:
+    """The cost model measured on this processor as `make serve` runs it (the config's torch
+    threads, the dtype `auto` picks, its execution): the cached self-calibration or a
+    matching committed file; where there is none, measured now, in this process, by the
+    bounded self-calibration `serve --strategy adaptive` runs at first start (cached for the
+    servers that follow). A `bucketed` server never calibrates: it reads no cost model."""
+    import shlex
 
-    dtype = resolve_precision("auto").name
-    path, _ = choose_auto(processor_key("cpu", 1), dtype=dtype, execution="packed")
+    from lenbatch.cli.main import build_parser
+    from lenbatch.cli.serve import settings_from_args
+    from lenbatch.plan.costsource import choose_auto
+    from lenbatch.plan.selfcal import auto_cost, runner_key
+    from lenbatch.runners import load_runner
+
+    ns = build_parser().parse_args(["serve", *shlex.split(plan.serve_args())])
+    settings = settings_from_args(ns)
+    m = settings.model
+    runner = load_runner(m.name, device=m.device, max_length=m.max_length,
+                         torch_threads=m.torch_threads, dtype=m.dtype,
+                         execution=m.execution)  # fmt: skip
+    found = auto_cost(runner, m.device, max_tokens=settings.batching.max_batch_tokens)
+    assert found is not None  # calibrate=True: measured when nothing matched
+    print(f"cost model: {found[1]}")
+    key, execution = runner_key(runner, m.device)
+    path, _ = choose_auto(key.processor, dtype=key.dtype, execution=execution)
     return str(path)
 
 
 def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
     """Run the recipe's steps (see the module docstring) and write `summary.md`."""
     out = ROOT / plan.out
+    cost = _cost_file(plan)
     plan.capacity_cmd().run(env)
     (cap_run,) = _runs(out / "capacity")
     capacity = float(cap_run["summary"]["throughput_rps"])
     r0 = _window_rate(plan)
     sweep = ",".join(f"{m * capacity / r0:.3f}" for m in plan.loads)
-    cost = _cost_file()
     meta = {"capacity_rps": capacity, "window_rps": r0, "loads": plan.loads, "sweep": sweep,
             "cost": cost, "start": plan.start, "span": plan.span}  # fmt: skip
     (out / "capacity.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -176,9 +196,10 @@ def _good(record: Mapping[str, Any]) -> tuple[float, float, int]:
     return float(ok.sum()) / wall, float(s["rejected"]) / max(n, 1), n
 
 
-def _sim(record: Mapping[str, Any], cost_path: Path, meta: Mapping[str, Any]) -> Any:
+def _sim(record: Mapping[str, Any], cost_path: Path | Any, meta: Mapping[str, Any]) -> Any:
     """The simulator's run of `record`'s strategy and rate with the cost model at
-    `cost_path` (the dev-trace window, `make serve`'s config), or None for a peer."""
+    `cost_path` (or a `CostModel`; the dev-trace window, `make serve`'s config), or None for
+    a peer."""
     from lenbatch.config import AdaptiveConfig, Strategy, load_settings
     from lenbatch.plan.costmodel import CostModel
     from lenbatch.plan.sim import simulate
@@ -191,8 +212,75 @@ def _sim(record: Mapping[str, Any], cost_path: Path, meta: Mapping[str, Any]) ->
     start, span = float(meta["start"]), float(meta["span"])
     t = map_trace(load_trace("azure-conv"), length_scale=0.1, max_length=256, start_s=start,
                   end_s=start + span, rate_scale=float(record["rate"]))  # fmt: skip
-    return simulate(t, CostModel.load(cost_path), batching, settings.admission, max_length=256,
+    cost = cost_path if isinstance(cost_path, CostModel) else CostModel.load(cost_path)
+    return simulate(t, cost, batching, settings.admission, max_length=256,
                     adaptive=AdaptiveConfig(slo_ms=SLO_S * 1000))  # fmt: skip
+
+
+def _online_cost(record: Mapping[str, Any] | None) -> Any:
+    """The adaptive server's own cost model after `record`'s run (`/stats`: its online fit of
+    the whole server's batch cost and the CPU per request it measured), or None."""
+    from lenbatch.plan.costsource import cost_from_stats
+    from lenbatch.replay.results import ReplayResult
+
+    if record is None:
+        return None
+    stats = ReplayResult.from_json(record["result"]).stats_after or {}
+    try:
+        return cost_from_stats(stats, "the adaptive server")
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# Issue 24, item 4: simulate's P95 within 20 % of live at mean rates up to 0.8 of capacity,
+# and its shed share within 2 points of live at every rate, for these strategies.
+CHECKED = ("adaptive", "bucketed")
+P95_TOLERANCE = 0.20
+P95_MAX_LOAD = 0.8
+SHED_TOLERANCE_PTS = 2.0
+
+
+def prediction_check(
+    rows: Sequence[tuple[float, str, float | None, float, str, float | None, float | None]],
+) -> list[str]:
+    """The item 4 table: one row per (load, target, cost model) of `rows` = (load, target,
+    live P95 ms, live shed share, model name, predicted P95 ms, predicted shed share), with
+    the P95 error, the shed difference and whether both hold; then one line per model."""
+    lines = [
+        f"Prediction check (issue 24 item 4: P95 within {P95_TOLERANCE:.0%} at loads <= "
+        f"{P95_MAX_LOAD:g}x capacity, shed within ±{SHED_TOLERANCE_PTS:g} points at every "
+        "load; live figures are means over the repeats):",
+        "",
+        "| load | target | cost model | live P95 ms | predicted P95 ms | P95 error | live shed % "
+        "| predicted shed % | shed Δ pts | holds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    tally: dict[str, list[int]] = {}
+    for load, name, p95, shed, model, pp95, pshed in rows:
+        ok = True
+        err = None
+        if p95 is not None and pp95 is not None and p95 > 0:
+            err = (pp95 - p95) / p95
+        if load <= P95_MAX_LOAD:
+            ok = err is not None and abs(err) <= P95_TOLERANCE + 1e-9
+        delta = None if pshed is None else 100 * (pshed - shed)
+        ok = ok and delta is not None and abs(delta) <= SHED_TOLERANCE_PTS + 1e-9
+        count = tally.setdefault(model, [0, 0])
+        count[0] += ok
+        count[1] += 1
+        err_cell = _fmt(None if err is None else 100 * err, "+.0f", " %")
+        if load > P95_MAX_LOAD and err is not None:
+            err_cell += " (not checked)"
+        lines.append(
+            f"| {load:g}x | {name} | {model} | {_fmt(p95)} | {_fmt(pp95)} | {err_cell} | "
+            f"{100 * shed:.1f} | {_fmt(None if pshed is None else 100 * pshed, '.1f')} | "
+            f"{_fmt(delta, '+.1f')} | {'yes' if ok else '**no**'} |"
+        )
+    lines.append("")
+    for model, (good, total) in tally.items():
+        verdict = "holds" if good == total else "does not hold"
+        lines.append(f"- {model}: {good} of {total} rows hold; item 4 {verdict} with it")
+    return lines
 
 
 def _sim_cells(run: Any) -> tuple[float | None, float | None]:
@@ -263,16 +351,28 @@ def goodput_table(out: Path) -> str:
         "shed % | adaptive / best other | adaptive / capacity |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    check: list[tuple[float, str, float | None, float, str, float | None, float | None]] = []
     for rate in sweep:
         names = sorted({name for (r, name) in cells if r == rate})
+        online = _online_cost(first.get((rate, "adaptive")))
         goods = {name: statistics.fmean(c[0] for c in cells[(rate, name)]) for name in names}
         best_other = max((g for name, g in goods.items() if name != "adaptive"), default=None)
         for name in names:
             runs = cells[(rate, name)]
             p95s = [c[3] for c in runs if c[3] is not None]
-            preds = [_sim_cells(_sim(first[(rate, name)], Path(meta["cost"]), sim_meta))]
+            models = [("start-up", Path(meta["cost"]))]
             if calibrated is not None:
-                preds.append(_sim_cells(_sim(first[(rate, name)], calibrated, sim_meta)))
+                models.append(("calibrated", calibrated))
+            preds = [_sim_cells(_sim(first[(rate, name)], path, sim_meta)) for _, path in models]
+            if name in CHECKED:
+                live_p95 = statistics.fmean(p95s) if p95s else None
+                live_shed = statistics.fmean(c[1] for c in runs)
+                for (model, _), (pp95_, pshed_) in zip(models, preds, strict=True):
+                    check.append((loads[rate], name, live_p95, live_shed, model, pp95_, pshed_))
+                if online is not None:
+                    pp95_, pshed_ = _sim_cells(_sim(first[(rate, name)], online, sim_meta))
+                    check.append((loads[rate], name, live_p95, live_shed, "online (adaptive's "
+                                  "/stats)", pp95_, pshed_))  # fmt: skip
             pp95 = " / ".join(_fmt(p[0]) for p in preds)
             pshed = " / ".join(_fmt(None if p[1] is None else 100 * p[1], ".1f") for p in preds)
             ratio = vs_cap = ""
@@ -285,6 +385,7 @@ def goodput_table(out: Path) -> str:
                 f"{_fmt(statistics.fmean(p95s) if p95s else None)} | {pp95} | {pshed} | "
                 f"{ratio} | {vs_cap} |"
             )
+    lines += ["", *prediction_check(check)]
     lines += ["", "Bursts scenario:", "", "| repeat | target | goodput req/s | shed % | P95 ms |",
               "|---|---|---|---|---|"]  # fmt: skip
     for folder in sorted(out.glob("bursts-*")):

@@ -246,3 +246,35 @@ async def test_engine_and_simulator_make_the_same_first_refit_on_the_same_length
     simulated = sim.refit["events"]
     assert (live[0]["old"], live[0]["new"]) == (simulated[0]["old"], simulated[0]["new"])
     assert live[0]["new"] != [128]
+
+
+async def test_the_engine_measures_the_cpu_per_request_outside_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between batches the engine reads the request-side threads' CPU (here a fake reading
+    of 3 ms per arrived request) and /stats shows the CPU per request it learned; a real
+    reading of this process's threads is a non-negative, growing number."""
+    import lenbatch.embed.engine as engine_module
+    from lenbatch.serving.servercpu import request_side_cpu_s
+
+    first = request_side_cpu_s()
+    sum(i * i for i in range(200_000))  # some CPU on this thread
+    assert request_side_cpu_s() > first >= 0
+
+    runner = FakeRunner(max_length=128)
+    engine = Engine(runner, ADAPTIVE, adaptive=AdaptiveConfig(slo_ms=5000))
+    assert engine.adaptive is not None
+    state = engine.adaptive
+    state.request_cpu.min_interval_s = 0.0
+    monkeypatch.setattr(engine_module, "request_side_cpu_s", lambda: 0.003 * state.arrivals)
+    await engine.start()
+    try:
+        for i in range(6):
+            await asyncio.gather(*(engine.embed([_ids(20, 10 * i + j)]) for j in range(4)))
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    cpu = stats["adaptive"]["request_cpu"]
+    assert cpu["intervals"] >= 3
+    assert cpu["cpu_per_request_ms"] == pytest.approx(3.0)
+    assert cpu["cores"] >= 1 and cpu["slowdown"] >= 1.0

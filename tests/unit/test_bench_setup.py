@@ -412,3 +412,57 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
     assert rows[0].endswith("| 1.12x | 0.19 |")  # 9.5 / mean(9.0, 8.0); 9.5 / 50
     assert rows[1].startswith("| 0.5x | bucketed | 8.5 (8.0–9.0) | 0.0 (0.0–0.0) |")
     assert "rates-2, adaptive (all rates): 12 shed" in text
+    # the item 4 check: live beside predicted, for adaptive and bucketed, per cost model
+    assert "| 0.5x | adaptive | start-up | 200 |" in text
+    assert "| 0.5x | bucketed | start-up | 200 |" in text
+    assert "- start-up: " in text and "rows hold; item 4" in text
+    high = [line for line in text.splitlines() if line.startswith("| 1.5x | adaptive | start")]
+    assert "(not checked)" in high[0]  # P95 is checked up to 0.8x capacity only
+
+
+def test_the_prediction_check_applies_issue_24s_tolerances(bench_runner: Any) -> None:
+    """P95 within 20 % at loads <= 0.8x capacity (not checked past it), shed within 2 points
+    at every load; each model's rows are tallied."""
+    import sys
+
+    check = sys.modules["goodput"].prediction_check
+    rows = [
+        (0.5, "adaptive", 100.0, 0.0, "m", 119.0, 0.015),  # +19 %, +1.5 pts: holds
+        (0.8, "bucketed", 100.0, 0.0, "m", 79.0, 0.0),  # -21 %: does not
+        (3.0, "adaptive", 900.0, 0.50, "m", 300.0, 0.48),  # P95 not checked, -2 pts: holds
+        (3.0, "bucketed", 900.0, 0.0, "m", 950.0, 0.03),  # +3 pts: does not
+        (0.2, "adaptive", 100.0, 0.0, "n", None, 0.0),  # no prediction: does not
+    ]
+    lines = check(rows)
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in lines if line.startswith("| ")][1:]
+    assert verdicts == ["yes", "**no**", "yes", "**no**", "**no**"]
+    assert "- m: 2 of 4 rows hold; item 4 does not hold with it" in lines
+    assert "- n: 0 of 1 rows hold; item 4 does not hold with it" in lines
+
+
+def test_bench_looks_the_cost_up_under_the_servers_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench --cost auto` resolves the file measured with the thread count the servers run
+    with (their config's `torch_threads`), not the bench process's own."""
+    from lenbatch.cli.bench import served_threads_and_dtype
+    from lenbatch.cli.common import pin_cost_spec
+    from lenbatch.runners import hardware
+
+    config = tmp_path / "one-thread.toml"
+    config.write_text('[model]\ntorch_threads = 1\ndtype = "float32"\n')
+    threads, dtype = served_threads_and_dtype(["--config", str(config)], "minilm")
+    assert (threads, dtype) == (1, "float32")
+    assert served_threads_and_dtype([], "minilm")[0] is None
+    assert served_threads_and_dtype(["--no-such-flag"], "minilm") == (None, None)
+
+    folder = tmp_path / "costs"
+    folder.mkdir()
+    key = "cpu:Test CPU [TestVendor family 1 model 2; avx2] x{}"
+    monkeypatch.setattr(hardware, "processor_key", lambda d="cpu", t=None: key.format(t or 2))
+    monkeypatch.setenv("LENBATCH_COST_DIR", str(folder))
+    monkeypatch.setenv("LENBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    CostModel(0.01, processor=key.format(2)).save(folder / "x2.json")
+    CostModel(0.02, processor=key.format(1)).save(folder / "x1.json")
+    assert Path(pin_cost_spec("auto", threads=threads)).name == "x1.json"
+    assert Path(pin_cost_spec("auto")).name == "x2.json"

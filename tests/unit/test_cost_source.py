@@ -157,3 +157,25 @@ def test_the_default_folder_is_found_from_any_directory(
     with pytest.raises(ValueError) as exc:
         choose_auto(HERE)
     assert str(checkout) in str(exc.value) and "cost_minilm" in str(exc.value)
+
+
+def test_a_servers_measured_cpu_per_request_reaches_the_simulator() -> None:
+    """`--cost URL` carries the request-side CPU the server measured, so `simulate` charges
+    the same slowdown the server's shedding counts."""
+    stats = {
+        "model": "m",
+        "adaptive": {
+            "cost_model": {
+                "a_s": 0.02,
+                "b_s_per_token": 1e-4,
+                "c_s_per_token_sq": 0.0,
+                "observed_batches": 9,
+            },
+            "request_cpu": {"cpu_per_request_ms": 2.5, "cores": 2, "intervals": 4},
+        },
+    }
+    cost = cost_from_stats(stats, "http://h:1")
+    assert cost.cpu_per_request_s == pytest.approx(0.0025) and cost.cpu_cores == 2
+    assert cost.slowdown(400) == pytest.approx(2.0)
+    del stats["adaptive"]["request_cpu"]  # an older server: no slowdown
+    assert cost_from_stats(stats, "http://h:1").slowdown(400) == 1.0

@@ -48,3 +48,43 @@ def test_two_slots_take_the_earliest_free_and_the_average_follows() -> None:
     assert g.started(3.3, 0.0) == pytest.approx(0.2)
     with pytest.raises(ValueError):
         SlotGaps(0)
+
+
+# ---------------------------------------------------------------- per-request server CPU
+
+
+def test_request_cpu_is_cpu_per_request_between_readings() -> None:
+    """Cumulative CPU readings and request counts give CPU seconds per request; readings
+    closer than the interval, intervals without requests and readings that went down (a
+    thread ended) change nothing."""
+    from lenbatch.core.occupancy import RequestCpu
+
+    m = RequestCpu(cores=2, alpha=0.5, min_interval_s=1.0)
+    m.observe(0.0, 10.0, 0)  # the baseline
+    assert m.per_request_s == 0 and not m.due(0.5) and m.due(1.0)
+    m.observe(0.5, 99.0, 5)  # too soon: ignored
+    m.observe(1.0, 10.2, 100)  # 0.2 s over 100 requests: 2 ms each (first: taken as is)
+    assert m.per_request_s == pytest.approx(0.002)
+    m.observe(2.0, 10.25, 100)  # no request: the baseline moves, the mean does not
+    assert m.per_request_s == pytest.approx(0.002)
+    m.observe(3.0, 10.65, 200)  # 4 ms each: half-way with alpha 0.5
+    assert m.per_request_s == pytest.approx(0.003)
+    m.observe(4.0, 5.0, 300)  # went down: ignored
+    assert m.per_request_s == pytest.approx(0.003) and m.samples == 2
+    assert m.describe() == {"cpu_per_request_ms": 3.0, "cores": 2, "intervals": 2}
+
+
+def test_the_slowdown_is_the_simulators() -> None:
+    """The live slowdown and the simulator's (`CostModel.slowdown`) are one formula: at 200
+    requests/s of 5 ms each on 2 cores, half the cores go to request-side work."""
+    from lenbatch.core.occupancy import RequestCpu, cpu_slowdown
+    from lenbatch.plan.costmodel import CostModel
+
+    assert cpu_slowdown(200, 0.005, 2) == pytest.approx(2.0)
+    assert cpu_slowdown(0, 0.005, 2) == 1.0 and cpu_slowdown(200, 0.0, 2) == 1.0
+    assert cpu_slowdown(1e9, 0.005, 2) == pytest.approx(10.0)  # capped
+    m = RequestCpu(cores=2)
+    m.per_request_s = 0.005
+    cost = CostModel(0.01, cpu_per_request_s=0.005, cpu_cores=2)
+    for rate in (0, 10, 100, 200, 350):
+        assert m.slowdown(rate) == pytest.approx(cost.slowdown(rate))

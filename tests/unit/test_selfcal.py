@@ -147,3 +147,49 @@ def test_a_matching_committed_file_is_used_without_measuring(env: dict[str, str]
     cost, why = selfcal.auto_cost(runner, environ=env)  # type: ignore[misc]
     assert cost.const == 0.03 and str(folder / "c.json") in why
     assert clock.now() == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "reads_cost", "expected"),
+    [
+        (None, True, "auto"),  # strategy adaptive without --cost: as --cost auto
+        (None, False, None),  # a strategy that reads no cost model
+        ("generic", True, None),  # the generic prior, on purpose
+        ("GENERIC", True, None),
+        ("auto", True, "auto"),
+        ("costs.json", True, "costs.json"),
+    ],
+)
+def test_serve_cost_spec(spec: str | None, reads_cost: bool, expected: str | None) -> None:
+    got, why = selfcal.serve_cost_spec(spec, reads_cost=reads_cost)
+    assert got == expected
+    assert bool(why) == ((spec is None and reads_cost) or (spec or "").lower() == "generic")
+
+
+def test_adaptive_without_cost_calibrates_and_generic_does_not(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`serve --strategy adaptive` with no `--cost` on a processor with nothing measured
+    measures its own (logged); `--cost generic` starts on the prior without measuring."""
+    import logging
+
+    from lenbatch.cli.serve import _serve_cost
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    runner, clock = _runner()
+    real = selfcal.calibrate_runner
+    monkeypatch.setattr(
+        selfcal, "calibrate_runner", lambda r, **kw: real(r, **{**kw, "clock": clock})
+    )
+    with caplog.at_level(logging.INFO):
+        assert _serve_cost("generic", "cpu", runner, calibrate=True) is None
+        assert clock.now() == 0 and not list(Path(env["LENBATCH_CACHE_DIR"]).rglob("*.json"))
+        cost = _serve_cost(None, "cpu", runner, calibrate=True)
+    assert cost is not None and cost.latency(8, 100) == pytest.approx(_true_cost(8, 100), 0.02)
+    assert clock.now() > 0 and list(Path(env["LENBATCH_CACHE_DIR"]).rglob("*.json"))
+    text = caplog.text
+    assert "no --cost: strategy adaptive" in text and "measuring one now" in text
+    assert "--cost generic: the online cost model starts on its generic CPU prior" in text
+    # a strategy that reads no cost model neither measures nor logs about it
+    assert _serve_cost(None, "cpu", runner, calibrate=False) is None

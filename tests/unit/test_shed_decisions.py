@@ -14,6 +14,7 @@ from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.decisions import DecisionLog, ShedDecision
 from lenbatch.core.lanes import SchedulerConfig
+from lenbatch.core.occupancy import RequestCpu
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
@@ -163,3 +164,39 @@ def test_shedding_follows_what_the_last_batches_measured() -> None:
     # one stalled batch (a pause of the process) moves it by a bounded factor only
     st.observe_batch(1, 8, 60, 100.0)
     assert st.drift < 4.0**0.2 * 1.06
+
+
+def test_request_side_cpu_counts_in_shedding_and_not_in_the_learned_batch_cost() -> None:
+    """The server's CPU per request outside the model (HTTP, tokenization), measured live,
+    slows the batches by the share of the cores it takes at the arrival rate: a queue the
+    model alone finishes in time is refused once that CPU is counted, and a batch measured
+    while it ran teaches the cost model its own, unslowed, time."""
+    cfg = _cfg()
+    q0, q1 = Queues(cfg), Queues(cfg)
+    plain, busy = _state(cfg), _state(cfg)
+    busy.request_cpu = RequestCpu(cores=2)
+    for i in range(40):  # 40 requests in 0.2 s: 200 requests/s
+        _arrive(q0, plain, 60, i / 200)
+        _arrive(q1, busy, 60, i / 200)
+    now, due = 0.2, 1.2
+    queued, _ = plain.queued_work(q0, cfg, due, 0, [60])
+    assert 0.6 < queued < 0.8  # the model alone: done by 0.8-1.0, within the 1 s SLO
+    assert plain.admit([60], due, q0, cfg, now) is None
+    # 20 ms each (a slow tokenizer): the estimated rate, a decaying average, is still rising
+    busy.request_cpu.per_request_s = 0.02
+    slow = busy.cpu_slowdown(now)
+    assert slow == pytest.approx(1 / (1 - busy_rate(busy, now) * 0.02 / 2))
+    assert slow > 1.0 + (due - now - queued) / queued  # enough to miss
+    refusal = busy.admit([60], due, q1, cfg, now)
+    assert refusal is not None and busy.decisions.decisions()[0].drift == pytest.approx(1.0)
+    # a batch that took `slow` times its own cost: the model learns its own cost
+    before = busy.cost.observed
+    own = TRUE.seconds(8, 60)
+    busy.observe_batch(1, 8, 60, own * slow, now=now)
+    assert busy.cost.observed == before + 1
+    assert busy.drift == pytest.approx(1.0, abs=1e-6)
+
+
+def busy_rate(st: AdaptiveState, now: float) -> float:
+    """The arrival rate the state estimates at `now`, all lanes."""
+    return sum(st.rate(i, now) for i in range(len(st.wait)))

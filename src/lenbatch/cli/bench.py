@@ -86,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cost:
         from lenbatch.cli.common import pin_cost_spec
 
-        # `auto` names one file for the whole run, and the report names that file.
-        args.cost = pin_cost_spec(args.cost)
+        # `auto` names one file for the whole run, and the report names that file; it is
+        # looked up under the thread count and dtype the servers run with, not this process's.
+        threads, dtype = served_threads_and_dtype(serve_args, args.model)
+        args.cost = pin_cost_spec(args.cost, threads=threads, dtype=dtype)
     targets = targets_for(
         args.strategies,
         args.peer,
@@ -212,6 +214,23 @@ def _append_calibration(report: Path, cost_path: str) -> None:
             "again with it (`lenbatch calibrate`; the calibrated cost model is "
             "`calibrated_cost.json`, usable by `simulate`, `sweep` and `tune`).\n\n" + cal.markdown
         )
+
+
+def served_threads_and_dtype(serve_args: list[str], model: str) -> tuple[int | None, str | None]:
+    """The torch thread count (None: torch's default, the same as this process's) and the
+    dtype name the bench's `lenbatch serve --model MODEL SERVE_ARGS` runs with, from the same
+    settings merge `serve` does (`--config`, `LENBATCH_*` variables, flags). (None, None)
+    when the serve arguments do not parse: `serve` itself will say why."""
+    from lenbatch.cli.main import build_parser
+    from lenbatch.cli.serve import settings_from_args
+    from lenbatch.runners.hardware import resolve_precision
+
+    try:
+        ns = build_parser().parse_args(["serve", "--model", model, *serve_args])
+        m = settings_from_args(ns).model
+        return m.torch_threads, resolve_precision(m.dtype, m.device).name
+    except (SystemExit, ValueError):
+        return None, None
 
 
 def _bucketed_boundaries(

@@ -307,10 +307,16 @@ def load_cost_model(
 
 
 def pin_cost_spec(
-    spec: str, device: str = "cpu", *, dtype: str | None = None, execution: str | None = None
+    spec: str,
+    device: str = "cpu",
+    *,
+    dtype: str | None = None,
+    execution: str | None = None,
+    threads: int | None = None,
 ) -> str:
     """`--cost auto` resolved to the file it picks (said on stderr); a path or URL unchanged.
-    For commands that read the cost model more than once or name it in a report."""
+    For commands that read the cost model more than once or name it in a report. `threads`:
+    the torch thread count the measured servers run with (default this process's)."""
     import sys
 
     from lenbatch.plan.costsource import AUTO, choose_auto
@@ -318,7 +324,7 @@ def pin_cost_spec(
 
     if spec.strip().lower() != AUTO:
         return spec
-    path, why = choose_auto(processor_key(device), dtype=dtype, execution=execution)
+    path, why = choose_auto(processor_key(device, threads), dtype=dtype, execution=execution)
     print(f"cost model: {path} ({why})", file=sys.stderr)
     return str(path)
 

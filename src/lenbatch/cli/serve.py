@@ -128,15 +128,16 @@ def register(sub: Any) -> None:
     add_quantize_option(p)
     p.add_argument(
         "--cost",
-        metavar="FILE|auto|URL",
+        metavar="FILE|auto|URL|generic",
         help="this deployment's cost model (JSON from `lenbatch profile` or `calibrate`; "
         "'auto': the one measured on this processor with this dtype/execution, from the "
         "user's cache ($XDG_CACHE_HOME/lenbatch, or $LENBATCH_CACHE_DIR), else "
         "$LENBATCH_COST_DIR (default the checkout's bench/results/), else, for strategy "
         "adaptive, measured at start-up (at most 30 s) and cached; or a live adaptive "
-        "server's URL, its online fit): seeds adaptive's online cost model (without it: a "
-        "generic CPU guess, then learned from the engine's own batches); start-up warns when "
-        "a file was measured on another processor",
+        "server's URL, its online fit; 'generic': a generic CPU guess, instant start): seeds "
+        "adaptive's online cost model, which then learns from the engine's own batches "
+        "(strategy adaptive without --cost: as 'auto'); start-up warns when a file was "
+        "measured on another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
@@ -499,10 +500,16 @@ def _runner_options(m: Any) -> dict[str, Any]:
 def _serve_cost(
     spec: str | None, device: str, runner: Any, *, calibrate: bool = False, max_tokens: int = 8192
 ) -> Any:
-    """The deployment's cost model (`--cost` FILE, auto or a server URL; None without one).
-    `auto` is `plan.selfcal.auto_cost`: the cache, a matching file, else (`calibrate`: the
-    strategy reads a cost model) one measured now and cached. Says which was taken, and
-    warns when a file came from another processor."""
+    """The deployment's cost model (`--cost` FILE, auto, generic or a server URL; None for
+    the generic prior). No `--cost` with `calibrate` (the strategy reads a cost model) is
+    `auto`, `generic` is None (`plan.selfcal.serve_cost_spec`). `auto` is
+    `plan.selfcal.auto_cost`: the cache, a matching file, else (`calibrate`) one measured now
+    and cached. Says which was taken, and warns when a file came from another processor."""
+    from lenbatch.plan.selfcal import serve_cost_spec
+
+    spec, why = serve_cost_spec(spec, reads_cost=calibrate)
+    if why:
+        log.info(why)
     if not spec:
         return None
     if spec.strip().lower() == "auto":

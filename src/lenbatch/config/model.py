@@ -69,8 +69,9 @@ class ModelConfig(BaseModel):
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
     (the one measured on this processor: the user's cache of self-calibrated models, then
     `$LENBATCH_COST_DIR`, default the source checkout's `bench/results/`; serve with strategy
-    adaptive measures and caches one when none matches) or a live adaptive server's URL (its
-    online fit); serve warns at start-up when a file was measured on another processor (or
+    adaptive measures and caches one when none matches), `generic` (the online model's generic
+    CPU prior: instant start) or a live adaptive server's URL (its online fit). Unset, strategy
+    adaptive takes `auto`. Serve warns at start-up when a file was measured on another processor (or
     does not say)."""
     execution: Literal["auto", "padded", "packed"] = "auto"
     """How a batch runs: `packed` (padding-free: the token-wise layers run on the batch's real

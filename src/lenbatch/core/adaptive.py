@@ -13,9 +13,10 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
    cannot meet its due time even alone (`now + ahead + t(1, len) > due`) is answered at once,
    and at admission a call is refused only when it cannot finish by its due time even ahead
    of every queued request it may jump (`admit`, `core.shedding`). Both scale the model's
-   times by `drift`, how much slower or faster the last few batches ran than predicted. Each
-   is recorded with what was predicted (`decisions`, in `/stats`). `shed = late` keeps them
-   and serves them late.
+   times by `drift`, how much slower or faster the last few batches ran than predicted, and
+   by the slowdown the request-side CPU (HTTP, tokenization) causes at the current arrival
+   rate (`core.occupancy`). Each is recorded with what was predicted (`decisions`, in
+   `/stats`). `shed = late` keeps them and serves them late.
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
@@ -50,6 +51,7 @@ from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.decisions import DecisionLog
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
+from lenbatch.core.occupancy import RequestCpu
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.shedding import Shedding
@@ -70,6 +72,7 @@ def build_state(
     *,
     longest: int,
     concurrency: int = 1,
+    cores: int = 1,
 ) -> AdaptiveState:
     """The state an engine (or simulated run) starts with: an online cost model seeded from
     `prior` (None: the generic prior), the SLO given or derived from it, and checked against
@@ -78,7 +81,7 @@ def build_state(
     slo = ac.slo_ms / 1000 if ac.slo_ms is not None else derive_slo(model, longest)
     policy = AdaptivePolicy.from_config(ac, slo)
     check_slo(policy, model, longest)
-    return AdaptiveState(policy, model, cfg, concurrency=concurrency)
+    return AdaptiveState(policy, model, cfg, concurrency=concurrency, cores=cores)
 
 
 class AdaptiveState(Shedding):
@@ -94,6 +97,7 @@ class AdaptiveState(Shedding):
         cfg: SchedulerConfig,
         *,
         concurrency: int = 1,
+        cores: int = 1,
     ) -> None:
         self.policy = policy
         self.estimates = LaneEstimates(cost, policy.rate_window, cfg)
@@ -106,6 +110,10 @@ class AdaptiveState(Shedding):
         self.late = 0  # requests kept although predicted late (shed = late)
         self.decisions = DecisionLog()  # why each request was refused or shed
         self._log_drift = 0.0  # log of the recent measured / predicted batch time
+        # CPU per request outside the model call, on the `cores` the model shares (measured
+        # live by the engine; the simulator sets the cost model's)
+        self.request_cpu = RequestCpu(cores)
+        self.arrivals = 0  # requests arrived so far (the per-request CPU's denominator)
         self.reset_lanes(cfg)
 
     @property
@@ -133,16 +141,38 @@ class AdaptiveState(Shedding):
 
     def on_arrival(self, lane: int, length: int, now: float) -> None:
         """A request of `length` tokens joined `lane` at `now` (updates its arrival rate)."""
+        self.arrivals += 1
         self.estimates.on_arrival(lane, length, now)
 
     def rate(self, lane: int, now: float) -> float:
         """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
         return self.estimates.rate(lane, now)
 
-    def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
-        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`: the cost
-        model learns it, and the predicted end of the emitted work moves by what the batch
-        took beyond (or short of) its prediction, so errors do not pile up over a burst."""
+    def cpu_slowdown(self, now: float) -> float:
+        """How much slower batches run now because of the request-side CPU at the current
+        arrival rate (`core.occupancy.cpu_slowdown`; 1.0 before it was measured)."""
+        if self.request_cpu.per_request_s <= 0:
+            return 1.0
+        rate = sum(self.estimates.rate(i, now) for i in range(len(self.wait)))
+        return self.request_cpu.slowdown(rate)
+
+    def observe_batch(
+        self, lane: int, size: int, padded_len: int, seconds: float, now: float | None = None
+    ) -> None:
+        """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds` (ending at
+        `now`): the cost model learns it, and the predicted end of the emitted work moves by
+        what the batch took beyond (or short of) its prediction, so errors do not pile up over
+        a burst. With `now`, the seconds are divided by the request-side CPU slowdown of the
+        moment first: the model learns the batch's own cost, and the slowdown of the arrival
+        rate is applied where the predictions are used."""
+        if now is not None:
+            slow = self.cpu_slowdown(now)
+            if self.backlog_end > -_INF:  # the backlog moves by the slowed, real time
+                real = seconds
+                seconds /= slow
+                self.backlog_end += (real - seconds) / self.concurrency
+            else:
+                seconds /= slow
         predicted = self.cost.coefficients.seconds(size, padded_len)
         if seconds > 0 and predicted > 0:
             if self.backlog_end > -_INF:
@@ -324,7 +354,7 @@ class AdaptiveState(Shedding):
         meet their due time even alone (shed)."""
         q = queues.lanes[lane]
         co = self.cost.coefficients
-        drift = self.drift
+        drift = self.drift * self.cpu_slowdown(now)
         shed_on = self.policy.shed is not ShedMode.LATE
         while True:
             window = self._ordered(q, now, cap)
@@ -436,6 +466,11 @@ class AdaptiveState(Shedding):
             "load": self.load(now),
             # predicted seconds until the emitted work is done (fluid, per runner slot)
             "backlog_ms": max(0.0, self.backlog_end - now) * 1000,
+            # the HTTP and tokenization CPU per request, and how much it slows batches now
+            "request_cpu": {
+                **self.request_cpu.describe(),
+                "slowdown": round(self.cpu_slowdown(now), 4),
+            },
             "lanes": [
                 {
                     "bucket": labels[i] if i < len(labels) else str(i),

@@ -16,6 +16,9 @@ predicted end of the emitted work by its measured minus predicted time, and the 
 decisions scale the cost model's times by `drift`, the recent measured / predicted ratio
 (a moving average over about five batches, `AdaptiveState.observe_batch`): a slowdown (another
 process on the cores) or a speed-up counts at once, not only once the window's fit has moved.
+They are also multiplied by the request-side CPU slowdown at the current arrival rate
+(`core.occupancy.cpu_slowdown`: the HTTP and tokenization CPU per request, measured live,
+takes its share of the cores the model runs on).
 
 Every refusal and shed is recorded with what was predicted (`core.decisions.DecisionLog`).
 
@@ -52,6 +55,10 @@ class Shedding:
     @property
     def drift(self) -> float:
         """Recent measured / predicted batch time (`AdaptiveState.drift`)."""
+        raise NotImplementedError
+
+    def cpu_slowdown(self, now: float) -> float:
+        """The request-side CPU slowdown at `now` (`AdaptiveState.cpu_slowdown`)."""
         raise NotImplementedError
 
     def running_work(self, queues: Queues, now: float) -> float:
@@ -118,7 +125,9 @@ class Shedding:
         running = self.running_work(queues, now)
         co = self.estimates.cost.coefficients
         longest = max(lengths)
-        drift = self.drift  # the model's times as the last batches measured them
+        # the model's times as the last batches measured them, and as the request-side CPU
+        # of the current arrival rate slows them (`core.occupancy`)
+        drift = self.drift * self.cpu_slowdown(now)
         own = drift * co.seconds(1, longest)
         queued, ahead = self.queued_work(queues, cfg, due, priority, lengths)
         queued *= drift

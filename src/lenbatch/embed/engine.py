@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -71,6 +72,7 @@ from lenbatch.serving.ledger import FutureReply, Ticket
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState
 from lenbatch.serving.messages import CallOptions, Embedded, Inputs, Vector
+from lenbatch.serving.servercpu import request_side_cpu_s
 
 __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
@@ -141,6 +143,7 @@ class Engine(BaseEngine[Vector]):
                 lanes.cfg,
                 longest=self.admission.longest_admissible(),
                 concurrency=self.batching.max_concurrent_batches,
+                cores=_usable_cores(),
             )
         # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
         self.refit: LiveRefit | None = None
@@ -386,7 +389,11 @@ class Engine(BaseEngine[Vector]):
         )
         if self.adaptive is not None:
             longest = max(r.length for r in call.requests)
-            self.adaptive.observe_batch(lane, call.size, longest, call.exec_s + gap)
+            now = self.clock.now()
+            meter = self.adaptive.request_cpu
+            if meter.due(now):  # the request-side CPU per request (`core.occupancy`)
+                meter.observe(now, request_side_cpu_s(), self.adaptive.arrivals)
+            self.adaptive.observe_batch(lane, call.size, longest, call.exec_s + gap, now)
         for r, vec in zip(call.requests, call.vectors, strict=True):
             r.handle.exec_s = call.exec_s
             self.ledger.answer(r.handle, vec)
@@ -490,3 +497,10 @@ def _future(r: Request[Ticket[Vector]]) -> asyncio.Future[Vector]:
 def _failed_with(r: Request[Ticket[Vector]], err: BaseException) -> bool:
     fut = _future(r)
     return fut.done() and not fut.cancelled() and fut.exception() is err
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

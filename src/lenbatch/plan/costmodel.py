@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lenbatch.core.costkey import CostKey, WorkKind, processor_difference
+from lenbatch.core.occupancy import cpu_slowdown
 
 __all__ = ["CostModel", "processor_mismatch"]
 
@@ -102,10 +103,7 @@ class CostModel:
         """How much slower batches run while requests arrive at `request_rate` per second,
         because their CPU work outside the model takes a share of the cores (1.0 when not
         calibrated; capped at 10x where that work would need every core)."""
-        if self.cpu_per_request_s <= 0:
-            return 1.0
-        share = min(0.9, request_rate * self.cpu_per_request_s / max(1, self.cpu_cores))
-        return 1.0 / (1.0 - share)
+        return cpu_slowdown(request_rate, self.cpu_per_request_s, self.cpu_cores)
 
     def activation_bytes(self, batch: int, padded_len: int) -> float:
         """Predicted activation memory of one batch (excluding weights)."""

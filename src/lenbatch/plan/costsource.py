@@ -170,12 +170,18 @@ def cost_from_stats(stats: Mapping[str, Any], url: str) -> CostModel:
             f"its prior, {model.get('prior', '?')}): send it traffic first"
         )
     err = model.get("fit_error")
+    # the request-side CPU per request the server measured (`core.occupancy.RequestCpu`):
+    # the simulator charges it as the slowdown of the arrival rate, as the server sees it
+    cpu = adaptive.get("request_cpu") if isinstance(adaptive, Mapping) else None
+    cpu = cpu if isinstance(cpu, Mapping) else {}
     return CostModel(
         const=float(model["a_s"]),
         per_token=float(model["b_s_per_token"]),
         per_token_sq=float(model["c_s_per_token_sq"]),
         model=str(stats.get("model", "")),
         fit_error=float(err) if err is not None else float("nan"),
+        cpu_per_request_s=float(cpu.get("cpu_per_request_ms", 0.0)) / 1000,
+        cpu_cores=int(cpu.get("cores", 1)),
         calibration=(
             f"online fit read from {url}/stats ({observed} batches, window "
             f"{model.get('window', '?')}, prior {model.get('prior', '?')})"

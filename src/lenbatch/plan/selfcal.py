@@ -23,13 +23,23 @@ from lenbatch.core.clock import Clock
 from lenbatch.core.costkey import CostKey, WorkKind
 from lenbatch.plan.costcache import cached_cost, store_cost
 from lenbatch.plan.costmodel import CostModel
-from lenbatch.plan.costsource import choose_auto
+from lenbatch.plan.costsource import AUTO, choose_auto
 
-__all__ = ["CALIBRATION_BUDGET_S", "auto_cost", "calibrate_runner", "runner_key"]
+__all__ = [
+    "CALIBRATION_BUDGET_S",
+    "GENERIC",
+    "auto_cost",
+    "calibrate_runner",
+    "runner_key",
+    "serve_cost_spec",
+]
 
 log = logging.getLogger("lenbatch.selfcal")
 
 CALIBRATION_BUDGET_S = 30.0
+# `--cost generic`: start at once on the online cost model's generic CPU prior (no file, no
+# start-up measurement); the engine's own batches then correct it.
+GENERIC = "generic"
 # The grid a start-up calibration samples (capped to the model's limit and the batch budget),
 # visited smallest first: small shapes fix the per-call constant, the larger ones the per-token
 # terms; four points at least are needed to fit the four terms.
@@ -176,3 +186,28 @@ def auto_cost(
         log.warning("could not cache the self-calibrated cost model: %s", exc)
         return cost, "self-calibrated now (not cached)"
     return cost, f"self-calibrated now, cached in {path}"
+
+
+def serve_cost_spec(spec: str | None, *, reads_cost: bool) -> tuple[str | None, str]:
+    """What `serve` does with `--cost` `spec` for a strategy that reads a cost model
+    (`reads_cost`, strategy adaptive) or not, and the sentence to log.
+
+    - absent, strategy adaptive: `auto` (this processor's cached or committed model, else
+      one measured now), because a generic prior misjudges a processor by a factor of
+      several and its shedding then refuses what could be served;
+    - `generic`: None, the online model's generic prior (instant start, learned online);
+    - anything else: unchanged."""
+    if spec is None:
+        if not reads_cost:
+            return None, ""
+        return AUTO, (
+            "no --cost: strategy adaptive uses this processor's cost model as --cost auto "
+            "does (cached or committed, else measured now); --cost generic starts at once "
+            "on the generic CPU prior instead"
+        )
+    if spec.strip().lower() == GENERIC:
+        return None, (
+            "--cost generic: the online cost model starts on its generic CPU prior and "
+            "learns this server from its own batches"
+        )
+    return spec, ""

@@ -152,7 +152,10 @@ class _Replay:
                 cfg,
                 longest=Admission(adm_cfg, cfg).longest_admissible(),
                 concurrency=batching.max_concurrent_batches,
+                cores=max(1, cost.cpu_cores),
             )
+            # the request-side CPU the live engine measures, as the cost model says it
+            self.ad.request_cpu.per_request_s = max(0.0, cost.cpu_per_request_s)
         # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto"): the
         # engine's re-fitter and swap rule, fed the same admitted lengths.
         self.swap: BoundarySwap | None = None
@@ -218,7 +221,7 @@ class _Replay:
         while running and running[0][0] <= now:
             _, _, lane, ab, b_size, b_pad, b_dt = heapq.heappop(running)
             if ad is not None:  # the engine's own timing of the batch, as the engine learns it
-                ad.observe_batch(lane, b_size, b_pad, b_dt)
+                ad.observe_batch(lane, b_size, b_pad, b_dt, now)
             self.active_bytes -= ab
             self.runners_free += 1
             self.queues.batch_done(lane)
