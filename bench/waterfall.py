@@ -480,7 +480,7 @@ def _py_spy(pid: int, args: argparse.Namespace) -> Path | None:
     subprocess.Popen(
         [exe, "record", "--pid", str(pid), "--format", "raw", "--output", str(out),
          "--duration", str(args.py_spy), "--rate", "200", "--threads", "--gil"],
-        stdout=subprocess.DEVNULL, stderr=errors.open("wb"),
+        stdout=errors.open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     return out
 
