@@ -64,6 +64,9 @@ def read_pooling(folder: Path) -> tuple[str, bool, int | None]:
 class EncoderRunner:
     """Runs an encoder on collated batches and pools each row into one vector."""
 
+    # The engine runs every bucket's batch shapes once before it is ready (embed/warmup.py).
+    needs_warm_up = True
+
     def __init__(
         self,
         folder: str | Path,
