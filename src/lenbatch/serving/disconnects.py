@@ -15,19 +15,19 @@ queue waits are long anyway).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any, TypeVar
 
 __all__ = ["DisconnectSweeper", "receive_now"]
 
 T = TypeVar("T")
-Receive = Callable[[], Awaitable[dict[str, Any]]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 _PROBE_S = 2e-6  # about what one look at a connection costs, seconds of CPU
 _BUDGET = 0.001  # the sweeper's CPU per second of wall time it aims at, at most
 
 
-def receive_now(receive: Receive) -> dict[str, Any] | None:
+def receive_now(receive: Receive) -> MutableMapping[str, Any] | None:
     """The next ASGI message if `receive` has one ready, else None, without blocking: runs
     the receive coroutine one step and closes it if it would wait (the server's waiter is
     removed as it closes)."""
