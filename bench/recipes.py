@@ -472,6 +472,22 @@ script_recipe(
     "--conditions", LOCKED,
 )  # fmt: skip
 script_recipe(
+    "waterfall", "waterfall.py",
+    "Where tok/s go: GEMMs, eager, runner, engine, server, replay, and why (waterfall.md).",
+    "--span", "300", "--rate-scale", "40", "--conditions", LOCKED,
+    "--out", "bench/results/waterfall.md",
+)  # fmt: skip
+script_recipe(
+    "request-cost", "request_cost.py",
+    "CPU per one-input request: event loop, all threads, outside the forward (capacity.md).",
+    "--requests", "300",
+)  # fmt: skip
+script_recipe(
+    "memory-growth", "memory_growth.py",
+    "RSS of the runner over batches of varied shapes, in-process (capacity.md).",
+    "--batches", "400",
+)  # fmt: skip
+script_recipe(
     "runners", "bench_runners.py",
     "MiniLM forward per dtype and backend, padded and packed, side by side (runners_cpu.md).",
     "--options", "fp32,bf16-cast,bf16-autocast,compile-fp32,compile-bf16,packed-fp32,packed-bf16",

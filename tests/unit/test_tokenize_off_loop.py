@@ -1,5 +1,6 @@
-"""Tokenization runs in a worker thread, never on the event loop: one huge input being
-tokenized holds up no small request (a 1 MB input with `truncate`)."""
+"""Tokenization runs in a worker thread, not on the event loop: one huge input being
+tokenized holds up no small request (a 1 MB input with `truncate`). Only a short call is
+tokenized on the loop, where it costs less than the hop to a thread."""
 
 from __future__ import annotations
 
@@ -51,3 +52,30 @@ async def test_small_requests_pass_a_huge_input_being_tokenized() -> None:
     assert done.prompt_tokens == 64  # truncated to the model limit
     sizes = [b.size for b in runner.batches]
     assert sum(sizes) == 21 and sizes[-1] == 1  # the huge input ran last, alone
+
+
+class ThreadNoting(FakeRunner):
+    """A fake runner that notes which thread tokenized each call."""
+
+    def __init__(self) -> None:
+        super().__init__(max_length=4096)
+        self.threads: list[int] = []
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        self.threads.append(threading.get_ident())
+        return super().tokenize(texts, truncate)
+
+
+async def test_short_calls_tokenize_on_the_loop_long_ones_in_a_worker() -> None:
+    runner = ThreadNoting()
+    engine = Engine(runner, BatchingConfig(max_wait_ms=0, max_batch_tokens=100_000))
+    await engine.start()
+    try:
+        loop_thread = threading.get_ident()
+        await engine.embed(["a short line of text"])
+        await engine.embed(["word " * 1000])  # 5,000 characters
+        await engine.embed(["a", "b", "c", "d", "e"])  # more texts than a short call holds
+    finally:
+        await engine.stop()
+    assert runner.threads[0] == loop_thread
+    assert runner.threads[1] != loop_thread and runner.threads[2] != loop_thread

@@ -218,6 +218,14 @@ class BatchRunner:
             async for event in self._call(batch.lane, live, prepared, pad_to, failed, wanted):
                 yield event
 
+    async def warm(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> None:
+        """Run token-id lists as one batch in a runner slot, the vectors discarded: the
+        engine's warm-up (`embed/warmup.py`) before it serves."""
+        prepared = pack(seqs) if self.packed_runner is not None else self.pad(seqs, pad_to)
+        async with self.slots:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, self._model_call, prepared)
+
     def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Prepared:
         """The batch of `requests` as the runner takes it: packed if it runs padding-free
         (then a lane's fixed length means nothing: a packed batch computes its real tokens

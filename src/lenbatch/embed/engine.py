@@ -65,6 +65,7 @@ from lenbatch.embed.batches import (
 )
 from lenbatch.embed.inputs import InputReader, tokenize_checked
 from lenbatch.embed.refit import LiveRefit
+from lenbatch.embed.warmup import warm_up
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.budget import ComputeBudget
 from lenbatch.serving.engine import BaseEngine
@@ -160,6 +161,14 @@ class Engine(BaseEngine[Vector]):
         self.batches.budget_owner = owner
 
     # ------------------------------------------------------------------ lifecycle hooks
+
+    async def _warm_up(self) -> None:
+        """Every bucket's batch shapes once before ready (torch runners; `embed/warmup.py`)."""
+        if getattr(self.runner, "needs_warm_up", False):
+            slots = self.batching.max_concurrent_batches
+            await warm_up(
+                self.batches.warm, self.runner.tokenize, self.cfg, self.info.max_length, slots=slots
+            )
 
     def _on_drain(self) -> None:
         if self.adaptive is not None:

@@ -3,9 +3,10 @@
 The single server's engine and the Ray ingress (`lenbatch.scaleout`) both turn a call's
 inputs (texts, or token-id arrays) into token ids through an `InputReader`, so a bad input
 gets the same 400 from either and the same ids come out. Texts are tokenized in worker threads,
-never on the event loop: HF fast tokenizers release the GIL, so a huge input tokenizing in one
-thread holds up neither the loop nor a small request tokenizing in the other. Errors name the
-input's index, never its content.
+not on the event loop: HF fast tokenizers release the GIL, so a huge input tokenizing in one
+thread holds up neither the loop nor a small request tokenizing in the other. Only a short call
+(a few texts, 2 KB in all) is tokenized on the loop: it costs less there than the thread hop.
+Errors name the input's index, never its content.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ Tokenize = Callable[[Sequence[str], bool], list[list[int]]]
 """A tokenizer's `tokenize(texts, truncate)`: token ids per text, cut to the limit if asked."""
 
 _THREADS = 2  # one long input tokenizing leaves a thread for everyone else
+# A call this small is tokenized on the event loop (tens of microseconds, under what the thread
+# hop costs); anything larger goes to the worker threads.
+_INLINE_TEXTS = 4
+_INLINE_CHARS = 2048
 
 
 def check_texts(texts: Sequence[str]) -> None:
@@ -120,6 +125,12 @@ class InputReader:
         """`token_ids`, with texts tokenized in a worker thread (one batch-encode call per
         call); token arrays need only a range check and are read on the loop."""
         if inputs and isinstance(inputs[0], str):
+            texts = cast("Sequence[str]", inputs)
+            if len(texts) <= _INLINE_TEXTS and sum(map(len, texts)) <= _INLINE_CHARS:
+                # A short call tokenizes in tens of microseconds: less than the hop to a
+                # worker thread and back costs the loop (a queue put, a thread wake-up, a
+                # call_soon_threadsafe).
+                return self.token_ids(inputs, truncate)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._pool, self.token_ids, inputs, truncate)
         return self.token_ids(inputs, truncate)

@@ -77,6 +77,8 @@ class EncoderRunner:
     """Runs an encoder on collated batches and pools each row into one vector."""
 
     pools = True  # pools hidden states into a vector (a scorer's head does its own pooling)
+    # The engine runs every bucket's batch shapes once before it is ready (embed/warmup.py).
+    needs_warm_up = True
 
     def __init__(
         self,

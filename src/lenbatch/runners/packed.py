@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from lenbatch.core.collate import Collated, Packed, pack_collated
 from lenbatch.runners.encoder import EncoderRunner
+from lenbatch.runners.linears import Linear, linear_kind
 from lenbatch.runners.memory import current_rss
 
 __all__ = ["PackedEncoderRunner", "supports_packing"]
@@ -51,39 +52,34 @@ def supports_packing(config: Any) -> tuple[bool, str]:
     return True, "BERT-family encoder with absolute positions"
 
 
-class _Linear:
-    """A linear layer's weights in the float type its matrix product runs in."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.weight = weight.detach().to(dtype)
-        self.bias = None if bias is None else bias.detach().to(dtype)
-        self.dtype = dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.dtype), self.weight, self.bias)
-
-
 class _Layer:
-    """One BERT layer's parts, with Q, K and V fused into one matrix product."""
+    """One BERT layer's parts, with Q, K and V fused into one matrix product, and GELU fused
+    into the feed-forward's first product where the model uses exact GELU."""
 
-    def __init__(self, layer: Any, dtype: torch.dtype) -> None:
+    def __init__(self, layer: Any, dtype: torch.dtype, kind: str, gelu: bool) -> None:
         att = layer.attention.self
         q, k, v = att.query, att.key, att.value
         self.heads = int(att.num_attention_heads)
         self.head_dim = int(att.attention_head_size)
-        self.qkv = _Linear(
+        self.qkv = Linear(
             torch.cat([q.weight, k.weight, v.weight]),
             torch.cat([q.bias, k.bias, v.bias]),
             dtype,
+            kind,
         )
-        self.attn_out = _Linear(
-            layer.attention.output.dense.weight, layer.attention.output.dense.bias, dtype
-        )
+        out = layer.attention.output.dense
+        self.attn_out = Linear(out.weight, out.bias, dtype, kind)
         self.attn_norm = layer.attention.output.LayerNorm
-        self.up = _Linear(layer.intermediate.dense.weight, layer.intermediate.dense.bias, dtype)
-        self.act = layer.intermediate.intermediate_act_fn
-        self.down = _Linear(layer.output.dense.weight, layer.output.dense.bias, dtype)
+        up = layer.intermediate.dense
+        self.up = Linear(up.weight, up.bias, dtype, kind, "gelu" if gelu else "none")
+        # Applied after `up`: nothing when GELU is fused into it, else the model's own.
+        self.act: Any = (lambda t: t) if gelu else layer.intermediate.intermediate_act_fn
+        self.down = Linear(layer.output.dense.weight, layer.output.dense.bias, dtype, kind)
         self.out_norm = layer.output.LayerNorm
+
+    def linears(self) -> tuple[Linear, ...]:
+        """Its four matrix products."""
+        return (self.qkv, self.attn_out, self.up, self.down)
 
 
 class PackedEncoderRunner(EncoderRunner):
@@ -112,22 +108,33 @@ class PackedEncoderRunner(EncoderRunner):
         self._types = emb.token_type_embeddings
         self._type0 = emb.token_type_embeddings.weight[0].detach()
         self._emb_norm = emb.LayerNorm
-        self._layers = [_Layer(layer, mm_dtype) for layer in self.model.encoder.layer]
+        self.linears, linears_why = linear_kind(self.device, mm_dtype)
+        gelu = getattr(self.model.config, "hidden_act", None) == "gelu"  # exact GELU
+        self._layers = [
+            _Layer(layer, mm_dtype, self.linears, gelu) for layer in self.model.encoder.layer
+        ]
         self._mm_dtype = mm_dtype
         # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
         # encoder weights would only take memory.
         del self.model.encoder
-        self._weights = sum(t.numel() * t.element_size() for t in self._tensors())
+        self._weights = sum(t.numel() * t.element_size() for t in self._tensors()) + sum(
+            lin.nbytes for layer in self._layers for lin in layer.linears()
+        )
         self._rss_after_load = current_rss()
-        log.info("packed execution: %s; matrix products in %s", why, self.precision.name)
+        log.info(
+            "packed execution: %s; matrix products in %s, %s weights (%s)",
+            why,
+            self.precision.name,
+            self.linears,
+            linears_why,
+        )
 
     def _tensors(self) -> Iterator[torch.Tensor]:
-        """Every weight the packed forward keeps (each once)."""
+        """Every weight the packed forward keeps (each once), but the linear layers' (whose
+        prepacked weights count by `Linear.nbytes`)."""
         seen: set[int] = set()
         parts: list[torch.Tensor] = list(self.model.parameters())
         for layer in self._layers:
-            for lin in (layer.qkv, layer.attn_out, layer.up, layer.down):
-                parts += [lin.weight] + ([] if lin.bias is None else [lin.bias])
             parts += list(layer.attn_norm.parameters()) + list(layer.out_norm.parameters())
         for t in parts:
             if t.data_ptr() not in seen:

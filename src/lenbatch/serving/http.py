@@ -7,8 +7,8 @@ field, not the value).
 
 In front of the app, a plain ASGI guard checks the API key (every path but /health) and the body
 size limit, by `Content-Length` and by counting a chunked body as it streams in. A route that
-waits on the engine races the work against `until_disconnect`, so a client that goes away has
-its inputs taken out of the queue.
+waits on the engine is watched by the app's `DisconnectSweeper` (serving/disconnects.py), so a
+client that goes away has its inputs taken out of the queue.
 
 `DrainingServer` is uvicorn's server with lenbatch's drain put in front of uvicorn's own
 shutdown: on SIGTERM or Ctrl-C the engine first refuses new requests (503 with the reason) while
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import LenbatchError, ModelNotFound
+from lenbatch.serving.disconnects import DisconnectSweeper
 from lenbatch.serving.services import Service
 
 __all__ = [
@@ -92,22 +93,12 @@ async def until_disconnect(request: Request) -> None:
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """Await `work` unless the client goes away first: then cancel it (so its requests leave
     the queue or the batch before they cost compute), let the cancellation run, and return
-    None. Exceptions of `work` propagate."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        gone.cancel()
-        raise
-    gone.cancel()
-    if not task.done():
-        task.cancel()  # the client left
-        await asyncio.wait({task})  # let the cancellation run before answering
-    if task.cancelled():
-        return None
-    return task.result()
+    None. Exceptions of `work` propagate. No task is made per request: the work runs in the
+    route's task, and the app's `DisconnectSweeper` watches the connection."""
+    sweeper = getattr(request.app.state, "disconnects", None)
+    if sweeper is None:
+        sweeper = request.app.state.disconnects = DisconnectSweeper()
+    return await sweeper.run(request.receive, work)
 
 
 class _BodyTooLarge(StarletteHTTPException):

@@ -181,6 +181,7 @@ class Metrics(Series):
         self._rejections: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._memory: dict[str, Any] = {}
+        self._last_depths: tuple[tuple[str, ...], tuple[int, ...], int] | None = None
 
     def record_batch(
         self,
@@ -240,10 +241,15 @@ class Metrics(Series):
         self.ready.set(1 if ready else 0)
 
     def set_depths(self, depths: Sequence[int], inflight: int) -> None:
-        """Current queue depth per lane and batches in flight."""
+        """Current queue depth per lane and batches in flight. Called on every turn of the
+        engine's loop, so it writes only what changed since the last call."""
+        now = (tuple(self.labels), tuple(depths), inflight)
+        if now == self._last_depths:
+            return
         for label, d in zip(self.labels, depths, strict=True):
             self.depth.labels(label).set(d)
         self.inflight.set(inflight)
+        self._last_depths = now
 
     def set_memory(self, weights: int, activations: int, device: str) -> None:
         """Latest memory reading from the runner."""

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""What one one-input request costs the server outside its forward pass, in CPU.
+
+    bench/run.py request-cost
+    python bench/request_cost.py --requests 300 --config configs/minilm-azure-conv.toml
+
+Starts `lenbatch serve` with the config, sends `--requests` one-line embedding requests one
+after another over one keep-alive connection (a hand-written HTTP/1.1 client, so the client
+costs little), and reads the server's CPU per thread from /proc before and after: the event
+loop's (the main thread: HTTP parsing, JSON, the route, the engine's scheduling and answers)
+and every thread's. Then it runs the same one-row batch through the runner in this process
+(`embed_packed` or `embed`, the config's thread count) to get the forward pass's own CPU, and
+reports, per request: event-loop CPU, all-thread CPU, the forward's CPU, and all-thread CPU
+minus the forward's (what the request path costs). It also says which event loop and HTTP
+parser the server ran (uvloop / httptools are loaded only if installed), read from the
+server's memory map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from waterfall import DEV_CONFIG, cpu_delta, thread_cpu
+
+TEXT = "How many apples does Anna have left after giving three to her brother?"
+
+
+async def sequential(url: str, body: bytes, n: int) -> tuple[float, int]:
+    """`n` requests one after another on one connection; wall seconds and 200s."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    ok = 0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        writer.write(head + body)
+        status = await reader.readline()
+        size = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                size = int(line.split(b":")[1])
+        await reader.readexactly(size)
+        ok += status.split()[1] == b"200"
+    wall = time.perf_counter() - t0
+    writer.close()
+    return wall, ok
+
+
+def loop_and_parser(pid: int) -> str:
+    """Which event loop and HTTP parser a server process has loaded (its memory map)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return "unknown (no /proc maps)"
+    loop = "uvloop" if "uvloop" in maps else "asyncio"
+    parser = "httptools" if "httptools" in maps else "h11"
+    return f"{loop} event loop, {parser} HTTP parser"
+
+
+def forward_cpu(config: str, n: int) -> tuple[float, str]:
+    """CPU seconds of one one-row forward pass in this process, as the server runs it."""
+    import torch
+
+    from lenbatch.config.settings import load_settings
+    from lenbatch.core.collate import collate, pack
+    from lenbatch.runners import load_runner
+
+    m = load_settings(config).model
+    threads = m.torch_threads or torch.get_num_threads()
+    runner = load_runner(m.name, execution=m.execution, dtype=m.dtype, torch_threads=threads)
+    ids = runner.tokenize([TEXT], True)
+    packed = hasattr(runner, "embed_packed")
+    batch = pack(ids) if packed else collate(ids, runner.info.pad_token_id)
+    fn = runner.embed_packed if packed else runner.embed
+    for _ in range(20):
+        fn(batch)  # type: ignore[arg-type]
+    before = thread_cpu(os.getpid())
+    for _ in range(n):
+        fn(batch)  # type: ignore[arg-type]
+    delta = cpu_delta(before, thread_cpu(os.getpid()))
+    total = sum(s for _, s in delta.values())
+    return total / n, f"{'packed' if packed else 'padded'}, {len(ids[0])} tokens, {threads} threads"
+
+
+def main() -> int:
+    """Measure and print (and with --out write) the per-request figures."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--config", default=DEV_CONFIG)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--serve-args", default="", help="more `lenbatch serve` flags")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+
+    from lenbatch.replay.process import ServerProcess, free_port
+    from lenbatch.replay.targets import LENBATCH_CLI, Target
+    from lenbatch.runners.hardware import processor_key
+
+    more = shlex.split(args.serve_args)
+    argv = (sys.executable, *LENBATCH_CLI, "serve", "--config", args.config,
+            "--log-level", "warning", *more, "--port", "{port}")  # fmt: skip
+    log_path = Path(tempfile.mkdtemp(prefix="request-cost-")) / "server.log"
+    server = ServerProcess(Target("lenbatch serve", "strategy", argv), free_port(), log_path)
+    body = json.dumps({"input": TEXT}).encode()
+    try:
+        server.wait_ready()
+        pid = server.proc.pid
+        asyncio.run(sequential(server.url, body, 50))  # warm
+        before = thread_cpu(pid)
+        wall, ok = asyncio.run(sequential(server.url, body, args.requests))
+        delta = cpu_delta(before, thread_cpu(pid))
+        stack = loop_and_parser(pid)
+    finally:
+        server.stop()
+    n = args.requests
+    loop_ms = 1e3 * delta.get(pid, ("", 0.0))[1] / n
+    all_ms = 1e3 * sum(s for _, s in delta.values()) / n
+    fwd_s, fwd_what = forward_cpu(args.config, n)
+    fwd_ms = 1e3 * fwd_s
+    busy = sorted(((s, t) for t, (_, s) in delta.items() if s > 0.01), reverse=True)
+    lines = [
+        "# CPU per one-input request, outside the forward pass",
+        "",
+        f"Command: `{shlex.join(['python', 'bench/request_cost.py', *sys.argv[1:]])}`  ",
+        f"Processor: `{processor_key()}`; server: {stack}  ",
+        f"{n} sequential requests on one keep-alive connection ({ok} answered 200), "
+        f"{1e3 * wall / n:.2f} ms each end to end",
+        "",
+        "| per request | ms CPU |",
+        "|---|---:|",
+        f"| event loop (server main thread) | {loop_ms:.2f} |",
+        f"| all server threads | {all_ms:.2f} |",
+        f"| the forward pass alone, in-process ({fwd_what}) | {fwd_ms:.2f} |",
+        f"| all threads outside the forward pass | {all_ms - fwd_ms:.2f} |",
+        "",
+        "Busy server threads (CPU ms per request): "
+        + ", ".join(f"{'main' if t == pid else t} {1e3 * s / n:.2f}" for s, t in busy),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    return 0 if ok == n else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

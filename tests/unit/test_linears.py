@@ -1,0 +1,51 @@
+"""runners/linears.py: prepacked oneDNN products agree with F.linear, and fall back cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners.linears import Linear, linear_kind
+
+CPU = torch.device("cpu")
+
+
+def _case(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    return w, b, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_prepacked_matches_f_linear(dtype: torch.dtype, rows: int, activation: str) -> None:
+    kind, why = linear_kind(CPU, dtype)
+    if kind != "prepacked":
+        pytest.skip(f"no prepacked linears here: {why}")
+    w, b, x = _case(rows, dtype)
+    lin = Linear(w, b, dtype, kind, activation)  # type: ignore[arg-type]
+    ref = F.linear(x.to(dtype).float(), w.to(dtype).float(), b.to(dtype).float())
+    if activation == "gelu":
+        ref = F.gelu(ref)
+    got = lin(x)  # a float32 input is cast to the product's type
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    assert lin.nbytes == (96 * 64 + 96) * got.element_size()
+
+
+def test_plain_is_forced_by_the_environment_and_used_off_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LENBATCH_LINEARS", "plain")
+    assert linear_kind(CPU, torch.float32) == ("plain", "LENBATCH_LINEARS=plain")
+    monkeypatch.delenv("LENBATCH_LINEARS")
+    assert linear_kind(torch.device("meta"), torch.float32)[0] == "plain"
+    assert linear_kind(CPU, torch.float16)[0] == "plain"
+    w, b, x = _case(5, torch.float32)
+    lin = Linear(w, b, torch.float32, "plain", "gelu")
+    assert torch.equal(lin(x), F.gelu(F.linear(x, w, b)))
