@@ -166,36 +166,59 @@ def make_linear(weight: torch.Tensor, plan: LinearPlan) -> Linear:
     return SwitchLinear(_quantized(weight, plan.quantization), dense, plan.switch_rows)
 
 
-def _time(fn: Callable[[], object], reps: int = 5) -> float:
-    fn()
-    best = float("inf")
+def _race(a: Callable[[], object], b: Callable[[], object], reps: int = 9) -> tuple[float, float]:
+    """Best-of-`reps` seconds of `a` and of `b`, called in turns so that a load change on a
+    shared machine hits both alike."""
+    a()
+    b()
+    best_a = best_b = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        best_a, best_b = min(best_a, t1 - t0), min(best_b, t2 - t1)
+    return best_a, best_b
 
 
-def _probe_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+# Weights a probe streams through per call: more bytes than a server CPU's last-level cache,
+# so the probe reads them from memory as a decode step does (a model's layers together are far
+# larger than the cache; one hot weight would make every kernel look compute-bound).
+_PROBE_BYTES = 96 << 20
+
+
+def _probe_weights(shape: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+    w = torch.randn(shape, generator=gen) * 0.02
+    size = shape[0] * shape[1] * torch.tensor([], dtype=dtype).element_size()
+    return [(w + 1e-4 * i).to(dtype) for i in range(max(1, _PROBE_BYTES // size))]
+
+
+def _sweep(linears: list[Linear], x: torch.Tensor, rows: int) -> Callable[[], object]:
+    def run() -> None:
+        for lin in linears:
+            lin(x, rows)
+
+    return run
 
 
 def measure_pack(shape: tuple[int, int], dtype: torch.dtype) -> bool:
-    """Whether oneDNN-prepacked products beat `F.linear` on this processor for a weight of
-    `shape` in `dtype`, summed over 1, 8 and 32 rows (False where packing is unavailable)."""
-    w = _probe_weight(shape, dtype)
+    """Whether oneDNN-prepacked products beat `F.linear` on this processor for weights of
+    `shape` in `dtype` (streamed from memory), summed over 1, 8 and 32 rows (False where
+    packing is unavailable)."""
+    ws = _probe_weights(shape, dtype)
     try:
-        packed = PackedLinear(w)
+        packed = [PackedLinear(w) for w in ws]
     except (RuntimeError, AttributeError) as exc:
         log.info("oneDNN prepacking unavailable (%s): dense F.linear", exc)
         return False
-    dense = DenseLinear(w)
+    dense: list[Linear] = [DenseLinear(w) for w in ws]
     t_dense = t_packed = 0.0
     for rows in (1, 8, 32):
         x = torch.randn(rows, shape[1]).to(dtype)
-        t_dense += _time(lambda: dense(x, rows))  # noqa: B023 (timed at once)
-        t_packed += _time(lambda: packed(x, rows))  # noqa: B023
+        d, p = _race(_sweep(dense, x, rows), _sweep(list(packed), x, rows))
+        t_dense, t_packed = t_dense + d, t_packed + p
     return t_packed < t_dense
 
 
@@ -203,15 +226,16 @@ def measure_switch(
     shape: tuple[int, int], dtype: torch.dtype, quantization: str, pack: bool
 ) -> int:
     """Most rows for which the `quantization` kernel beats the dense one on this processor
-    (every smaller probed row count too), for a weight of `shape` in `dtype`; 0 when it never
-    does. Probes 1, 2, 4, ... 128 rows."""
-    w = _probe_weight(shape, dtype)
-    quant = _quantized(w, quantization)
-    dense = _dense(w, pack)
+    (every smaller probed row count too), for weights of `shape` in `dtype` streamed from
+    memory; 0 when it never does. Probes 1, 2, 4, ... 128 rows."""
+    ws = _probe_weights(shape, dtype)
+    quant = [_quantized(w, quantization) for w in ws]
+    dense = [_dense(w, pack) for w in ws]
     switch = 0
     for rows in _PROBE_ROWS:
         x = torch.randn(rows, shape[1]).to(dtype)
-        if _time(lambda: quant(x, rows)) >= _time(lambda: dense(x, rows)):  # noqa: B023
+        t_quant, t_dense = _race(_sweep(quant, x, rows), _sweep(dense, x, rows))
+        if t_quant >= t_dense:
             break
         switch = rows
     return switch
@@ -236,7 +260,7 @@ def plan_for(
     if plan is None:
         packed = measure_pack(shape, dtype) if pack is None else pack
         switch = 0
-        if quantization != "none":
+        if quantization != "none" and switch_rows is None:
             switch = measure_switch(shape, dtype, quantization, packed)
         plan = LinearPlan(quantization, packed, switch)
         if pack is None or quantization != "none":
