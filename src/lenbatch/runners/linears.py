@@ -192,7 +192,7 @@ def _probe_weights(shape: tuple[int, int], dtype: torch.dtype) -> list[torch.Ten
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=gen) * 0.02
     size = shape[0] * shape[1] * torch.tensor([], dtype=dtype).element_size()
-    return [(w + 1e-4 * i).to(dtype) for i in range(max(1, _PROBE_BYTES // size))]
+    return [(w + 1e-4 * i).to(dtype) for i in range(min(256, max(1, _PROBE_BYTES // size)))]
 
 
 def _sweep(linears: list[Linear], x: torch.Tensor, rows: int) -> Callable[[], object]:
