@@ -69,6 +69,22 @@ async def _engine_tokens(runner: Any, prompts: list[list[int]], max_new: int) ->
         await engine.stop()
 
 
+def _cached_reference(
+    path: Path | None, runner: Any, prompts: list[list[int]], max_new: int
+) -> list[list[int]]:
+    """The float32 reference tokens, read from `path` when it holds them for these very prompts
+    and `max_new` (several options compared against one reference compute it once)."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved["prompts"] == prompts and saved["max_new"] == max_new:
+            return [list(x) for x in saved["expected"]]
+    expected = [_reference(runner, ids, max_new) for ids in prompts]
+    if path is not None:
+        data = {"prompts": prompts, "max_new": max_new, "expected": expected}
+        path.write_text(json.dumps(data), encoding="utf-8")
+    return expected
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -125,6 +141,7 @@ def main() -> int:
     p.add_argument("--lean", default="auto", choices=("auto", "off"))
     p.add_argument("--out", type=Path)
     p.add_argument("--table", type=Path, help="append one row to this markdown table")
+    p.add_argument("--reference-cache", type=Path, help="reuse the fp32 reference (JSON file)")
     args = p.parse_args()
     ref = resolve_causal_model(args.model)
     assert ref is not None
@@ -133,7 +150,7 @@ def main() -> int:
     # Through the chat template: the instruct model answers at length (raw questions often
     # get an end-of-sequence token first, which would make agreement trivial).
     prompts = [fp32.chat_prompt([{"role": "user", "content": q}]) for q in _prompts(args.prompts)]
-    expected = [_reference(fp32, ids, args.max_new) for ids in prompts]
+    expected = _cached_reference(args.reference_cache, fp32, prompts, args.max_new)
     del fp32
     options: dict[str, Any] = {"quantization": args.quantize}
     if args.switch_rows is not None:
