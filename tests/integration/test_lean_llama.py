@@ -128,6 +128,22 @@ def test_switch_takes_dense_above_the_switch_point() -> None:
     assert 0 <= measure_switch((64, 64), torch.float32, "int4", False) <= 128
 
 
+def test_int4_keeps_the_output_matrix_in_int8(tiny_llama_dir: Path) -> None:
+    """int4 quantizes the layers' linears, the output matrix only to int8 (an 8-bit tensor in
+    a Q4 GGUF); bfloat16 compute keeps its dense weights in bfloat16."""
+    from lenbatch.runners.linears import SwitchLinear
+
+    r = CausalLMRunner(tiny_llama_dir, quantization="int4", quant_switch_rows=8, pack=False)
+    assert r.lean is not None
+    layer = r.lean.layers[0].gate_up
+    assert isinstance(layer, SwitchLinear) and isinstance(layer.small, Int4Linear)
+    head = r.lean.lm_head
+    assert isinstance(head, SwitchLinear) and isinstance(head.small, Int8Linear)
+    bf = CausalLMRunner(tiny_llama_dir, dtype="bfloat16", quantization="int8", pack=False)
+    assert bf.lean is not None and bf.lean.embed.dtype == torch.bfloat16
+    assert next(bf.model.parameters()).dtype == torch.bfloat16
+
+
 @pytest.mark.slow
 def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
     """int8 and int4 (forced on at every row count) keep the tiny Llama's logits close: cosine

@@ -161,7 +161,10 @@ class CausalLMRunner:
         self.precision = resolve_precision(dtype, device)
         extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder, **extra)
-        model_kwargs: dict[str, Any] = dict(extra, dtype=self.precision.dtype)
+        # A quantized model is quantized from float32 weights (a GGUF's dequantized 4-bit groups
+        # are exact there, not after rounding to bfloat16); the model is cast after.
+        load_dtype = self.precision.dtype if quantization == "none" else torch.float32
+        model_kwargs: dict[str, Any] = dict(extra, dtype=load_dtype)
         if attn_implementation is not None:
             model_kwargs["attn_implementation"] = attn_implementation
         model: Any = AutoModelForCausalLM.from_pretrained(self.folder, **model_kwargs)
@@ -195,9 +198,10 @@ class CausalLMRunner:
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="tail")
         self.has_chat_template = self.text.has_chat_template
-        self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.quantization = quantization
         self.lean = self._lean_path(lean, quantization, pack, quant_switch_rows)
+        self.model = self.model.to(self.precision.dtype)
+        self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -223,7 +227,7 @@ class CausalLMRunner:
         plan = plan_for(
             shape, self.precision.dtype, quantization, pack=pack, switch_rows=switch_rows
         )
-        path = LeanLlama(self.model, plan, self.info.max_length + 1)
+        path = LeanLlama(self.model, plan, self.info.max_length + 1, self.precision.dtype)
         log.info(path.describe())
         return path
 

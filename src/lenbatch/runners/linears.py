@@ -97,13 +97,14 @@ class PackedLinear(Linear):
 
 
 class Int8Linear(Linear):
-    """Per-output-channel symmetric int8 weights; activations stay in their float type."""
+    """Per-output-channel symmetric int8 weights; activations in `dtype` (default: the
+    weight's)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(weight.dtype)
+        self.scale = scale.to(dtype or weight.dtype)
 
     def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The product."""
@@ -112,9 +113,10 @@ class Int8Linear(Linear):
 
 class Int4Linear(Linear):
     """Asymmetric 4-bit weights in groups of `INT4_GROUP` input columns:
-    `w = (q - 8) * scale + zero` with `zero = min + 8 * scale`, `q` in 0..15."""
+    `w = (q - 8) * scale + zero` with `zero = min + 8 * scale`, `q` in 0..15; activations in
+    `dtype` (default: the weight's)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         out, inp = weight.shape
         g = weight.float().view(out, inp // INT4_GROUP, INT4_GROUP)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -124,7 +126,7 @@ class Int4Linear(Linear):
         # [in / group, out, 2]: the kernel's layout of (scale, zero) per group and output.
         self.scales_zeros = (
             torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
-        ).to(weight.dtype)
+        ).to(dtype or weight.dtype)
 
     def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The product."""
@@ -144,13 +146,13 @@ class SwitchLinear(Linear):
         return self.large(x, rows)
 
 
-def _quantized(weight: torch.Tensor, quantization: str) -> Linear:
+def _quantized(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> Linear:
     if quantization == "int8":
-        return Int8Linear(weight)
+        return Int8Linear(weight, dtype)
     if quantization == "int4":
         if weight.shape[1] % INT4_GROUP:
             raise ValueError(f"int4: {weight.shape[1]} input features are not a multiple of 32")
-        return Int4Linear(weight)
+        return Int4Linear(weight, dtype)
     raise ValueError(f"quantization {quantization!r}: expected none, int8 or int4")
 
 
@@ -158,12 +160,14 @@ def _dense(weight: torch.Tensor, pack: bool) -> Linear:
     return PackedLinear(weight) if pack else DenseLinear(weight)
 
 
-def make_linear(weight: torch.Tensor, plan: LinearPlan) -> Linear:
-    """The `Linear` for a dense `weight` `[out, in]` under `plan`."""
-    dense = _dense(weight, plan.pack)
+def make_linear(weight: torch.Tensor, plan: LinearPlan, dtype: torch.dtype | None = None) -> Linear:
+    """The `Linear` for a dense `weight` `[out, in]` under `plan`, computing in `dtype`
+    (default: the weight's); quantized weights come from `weight` as given."""
+    dtype = dtype or weight.dtype
+    dense = _dense(weight.to(dtype), plan.pack)
     if plan.quantization == "none" or plan.switch_rows <= 0:
         return dense
-    return SwitchLinear(_quantized(weight, plan.quantization), dense, plan.switch_rows)
+    return SwitchLinear(_quantized(weight, plan.quantization, dtype), dense, plan.switch_rows)
 
 
 def _race(a: Callable[[], object], b: Callable[[], object], reps: int = 9) -> tuple[float, float]:
@@ -229,7 +233,7 @@ def measure_switch(
     (every smaller probed row count too), for weights of `shape` in `dtype` streamed from
     memory; 0 when it never does. Probes 1, 2, 4, ... 128 rows."""
     ws = _probe_weights(shape, dtype)
-    quant = [_quantized(w, quantization) for w in ws]
+    quant = [_quantized(w, quantization, dtype) for w in ws]
     dense = [_dense(w, pack) for w in ws]
     switch = 0
     for rows in _PROBE_ROWS:

@@ -23,7 +23,7 @@ fixed-shape buffers work unchanged. In float32 with plain `F.linear`, greedy dec
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -76,10 +76,16 @@ class LeanLlama:
     """The forward pass of a loaded Hugging Face Llama model, leaner (see the module's doc).
 
     `plan` says how each linear is built (dense, prepacked, int8, int4 and the switch point);
-    the weights are copied out of `model` (which the runner keeps as reference and fallback).
+    the weights are copied out of `model` (which the runner keeps as reference and fallback)
+    and run in `dtype` (default: the model's); quantized weights are computed from the
+    model's own (load it in float32 to quantize from unrounded weights). The output matrix
+    (tied to the embedding in SmolLM2, whose GGUF keeps it in 8 bits) is never quantized below
+    int8.
     """
 
-    def __init__(self, model: Any, plan: LinearPlan, max_positions: int) -> None:
+    def __init__(
+        self, model: Any, plan: LinearPlan, max_positions: int, dtype: torch.dtype | None = None
+    ) -> None:
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"lean path: {why}")
@@ -92,8 +98,8 @@ class LeanLlama:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.plan = plan
-        self.dtype: torch.dtype = inner.embed_tokens.weight.dtype
-        self.embed = inner.embed_tokens.weight.detach()
+        self.dtype: torch.dtype = dtype or inner.embed_tokens.weight.dtype
+        self.embed = inner.embed_tokens.weight.detach().to(self.dtype)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -101,16 +107,17 @@ class LeanLlama:
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
             self.layers.append(
                 _Layer(
-                    ln1=layer.input_layernorm.weight.detach(),
-                    qkv=make_linear(qkv, plan),
-                    o=make_linear(att.o_proj.weight.detach(), plan),
-                    ln2=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=make_linear(gate_up, plan),
-                    down=make_linear(mlp.down_proj.weight.detach(), plan),
+                    ln1=layer.input_layernorm.weight.detach().to(self.dtype),
+                    qkv=make_linear(qkv, plan, self.dtype),
+                    o=make_linear(att.o_proj.weight.detach(), plan, self.dtype),
+                    ln2=layer.post_attention_layernorm.weight.detach().to(self.dtype),
+                    gate_up=make_linear(gate_up, plan, self.dtype),
+                    down=make_linear(mlp.down_proj.weight.detach(), plan, self.dtype),
                 )
             )
-        self.norm = inner.norm.weight.detach()
-        self.lm_head = make_linear(model.lm_head.weight.detach(), plan)
+        self.norm = inner.norm.weight.detach().to(self.dtype)
+        head_plan = replace(plan, quantization="int8") if plan.quantization == "int4" else plan
+        self.lm_head = make_linear(model.lm_head.weight.detach(), head_plan, self.dtype)
         # RoPE tables once for every position, computed as transformers does (float32 product
         # of position and inverse frequency, cos/sin, then cast to the model's dtype).
         dim = self.head_dim
