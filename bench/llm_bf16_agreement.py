@@ -1,7 +1,8 @@
 """Token agreement of lenbatch's batched greedy decoding with fp32 `transformers.generate()`.
 
     bench/run.py bf16-agreement -- --model smollm2 --prompts 24 --max-new 32 \\
-        --dtype bfloat16 [--out bench/results/llm_bf16_agreement.md]
+        --dtype bfloat16 [--quantize int4 [--switch-rows 1024]] [--lean off] \\
+        [--out bench/results/llm_bf16_agreement.md] [--table bench/results/llm_agreement.md]
 
 The reference is `model.generate()` in float32 on each prompt alone (greedy). lenbatch runs
 the same prompts batched through a `GenerationEngine` (continuous batching, the preallocated
@@ -9,6 +10,11 @@ KV cache) with the model in `--dtype`. Reported: sequences identical to the refe
 share of generated positions that hold the reference's token, and the mean length of the common
 prefix (greedy decoding diverges for good after its first different token). With
 `--dtype float32` the figure must be 100 % (the equality the tests assert on tiny models).
+
+`--quantize int8|int4` runs the lean path's weight-only kernels; `--switch-rows N` makes them run
+up to N rows per product (default: the switch point measured on this processor, so a batched
+decode may run dense), which measures the quantized kernels themselves. `--table FILE` appends
+one row to a markdown table (created with its header and the processor key when absent).
 """
 
 from __future__ import annotations
@@ -63,6 +69,22 @@ async def _engine_tokens(runner: Any, prompts: list[list[int]], max_new: int) ->
         await engine.stop()
 
 
+def _cached_reference(
+    path: Path | None, runner: Any, prompts: list[list[int]], max_new: int
+) -> list[list[int]]:
+    """The float32 reference tokens, read from `path` when it holds them for these very prompts
+    and `max_new` (several options compared against one reference compute it once)."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved["prompts"] == prompts and saved["max_new"] == max_new:
+            return [list(x) for x in saved["expected"]]
+    expected = [_reference(runner, ids, max_new) for ids in prompts]
+    if path is not None:
+        data = {"prompts": prompts, "max_new": max_new, "expected": expected}
+        path.write_text(json.dumps(data), encoding="utf-8")
+    return expected
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -72,13 +94,54 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _append_row(
+    args: argparse.Namespace,
+    runner: Any,
+    prompts: int,
+    same: int,
+    agree: int,
+    positions: int,
+    prefix: list[int],
+) -> None:
+    """One row of the agreement table; the header (processor, command) when the file is new."""
+    from lenbatch.runners.hardware import processor_key
+
+    if not args.table.exists():
+        args.table.write_text(
+            "# Greedy agreement with float32 `generate()` per precision and quantization\n\n"
+            f"Processor: `{processor_key()}`, torch {torch.__version__}. Reference: float32 "
+            "`model.generate()` on each prompt alone; lenbatch batched (continuous, max_batch 8). "
+            f"{prompts} GSM8K prompts through the chat template, up to {args.max_new} new "
+            "tokens. Command per row: `bench/llm_bf16_agreement.py --model MODEL --prompts N "
+            "--max-new M --dtype D [--quantize Q --switch-rows S] [--lean off] --table FILE`. "
+            "An option below 90 % of positions agreeing is not a default.\n\n"
+            "| model | dtype | forward | linears | identical | positions agree | "
+            "mean common prefix |\n|---|---|---|---|---:|---:|---:|\n",
+            encoding="utf-8",
+        )
+    lean = getattr(runner, "lean", None)
+    linears = lean.plan.describe() if lean is not None else "transformers"
+    forward = "lean" if lean is not None else "transformers"
+    with args.table.open("a", encoding="utf-8") as f:
+        f.write(
+            f"| {args.model} | {runner.precision.name} | {forward} | {linears} | "
+            f"{same}/{prompts} | {100 * agree / positions:.1f} % | "
+            f"{sum(prefix) / len(prefix):.1f} |\n"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--switch-rows", type=int, help="quantized kernels up to this many rows")
+    p.add_argument("--lean", default="auto", choices=("auto", "off"))
     p.add_argument("--out", type=Path)
+    p.add_argument("--table", type=Path, help="append one row to this markdown table")
+    p.add_argument("--reference-cache", type=Path, help="reuse the fp32 reference (JSON file)")
     args = p.parse_args()
     ref = resolve_causal_model(args.model)
     assert ref is not None
@@ -87,9 +150,14 @@ def main() -> int:
     # Through the chat template: the instruct model answers at length (raw questions often
     # get an end-of-sequence token first, which would make agreement trivial).
     prompts = [fp32.chat_prompt([{"role": "user", "content": q}]) for q in _prompts(args.prompts)]
-    expected = [_reference(fp32, ids, args.max_new) for ids in prompts]
+    expected = _cached_reference(args.reference_cache, fp32, prompts, args.max_new)
     del fp32
-    runner = CausalLMRunner(ref.folder, **load, dtype=args.dtype)
+    options: dict[str, Any] = {"quantization": args.quantize}
+    if args.switch_rows is not None:
+        options["quant_switch_rows"] = args.switch_rows
+    if args.lean == "off":
+        options["lean"] = False
+    runner = CausalLMRunner(ref.folder, **load, dtype=args.dtype, **options)
     got = asyncio.run(_engine_tokens(runner, prompts, args.max_new))
     same = sum(g == e for g, e in zip(got, expected, strict=True))
     positions = sum(max(len(g), len(e)) for g, e in zip(got, expected, strict=True))
@@ -105,6 +173,8 @@ def main() -> int:
         f"{sum(prefix) / len(prefix):.1f} tokens"
     )
     print(summary)
+    if args.table:
+        _append_row(args, runner, len(prompts), same, agree, positions, prefix)
     if args.out:
         args.out.write_text(
             "# bf16 token agreement with float32 `generate()`\n\n"

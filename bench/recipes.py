@@ -541,6 +541,12 @@ script_recipe(
     "--out", "bench/results/rerank",
 )  # fmt: skip
 script_recipe(
+    "llm-decode-step", "llm_decode_step.py",
+    "One decode step per runner option at 1/8/32 rows x 310 columns (llm_decode_step.md).",
+    "--rows", "1,8,32", "--cols", "310", "--steps", "30",
+    "--out", "bench/results/llm_decode_step.md",
+)  # fmt: skip
+script_recipe(
     "bf16-agreement", "llm_bf16_agreement.py",
     "Batched greedy decoding in bf16 against fp32 generate() (llm_bf16_agreement.md).",
     "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",

@@ -472,7 +472,11 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     m = settings.model
     log.info("loading causal LM %s from %s", ref.name, ref.gguf_file or ref.folder)
     runner = CausalLMRunner(
-        ref.folder, gguf_file=ref.gguf_file, name=ref.name, **_runner_options(m)
+        ref.folder,
+        gguf_file=ref.gguf_file,
+        name=ref.name,
+        quantization=m.quantization.value,
+        **_runner_options(m),
     )
     engine = GenerationEngine(
         runner,

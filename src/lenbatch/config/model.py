@@ -64,7 +64,9 @@ class ModelConfig(BaseModel):
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
     quantization: Quantization = Quantization.NONE
     """Weight quantization, apart from `dtype`: none, int8 or int4. A runner that does not
-    implement the one asked for refuses to start (no runner implements int8 or int4 yet)."""
+    implement the one asked for refuses to start. Causal LMs on the lean Llama path (SmolLM2)
+    implement int8 (per channel) and int4 (group 32), weight-only, up to the row count where
+    they beat the dense kernel on this processor (measured at load); encoders implement none."""
     cost_model: str | None = None
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
     (the one measured on this processor: the user's cache of self-calibrated models, then

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from lenbatch.runners.base import ModelInfo, RunnerMemory
-from lenbatch.runners.hardware import resolve_precision
+from lenbatch.runners.hardware import check_quantization, resolve_precision
+from lenbatch.runners.llama import LeanLlama, lean_unsupported
 from lenbatch.runners.memory import current_rss, peak_rss
 from lenbatch.runners.tokenizer import TextTokenizer
+from lenbatch.runners.weightonly import plan_for
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -122,7 +124,16 @@ def resolve_causal_model(name: str) -> CausalModelRef | None:
 
 
 class CausalLMRunner:
-    """Runs a causal LM one forward pass at a time for the generation engine."""
+    """Runs a causal LM one forward pass at a time for the generation engine.
+
+    Llama-family models run on the lean path (`runners.llama.LeanLlama`: fused and prepacked
+    linears, optionally weight-only int8/int4 via `quantization`) unless `lean=False`; other
+    architectures run transformers' forward. `model` is the transformers model either way (the
+    reference, and what the fixed-shape graphs run). `pack` and `quant_switch_rows` fix what
+    is otherwise measured on this processor at load (`runners.weightonly.plan_for`).
+    """
+
+    quantizations = ("none", "int8", "int4")
 
     def __init__(
         self,
@@ -135,6 +146,10 @@ class CausalLMRunner:
         torch_threads: int | None = None,
         dtype: str = "float32",
         attn_implementation: str | None = None,
+        quantization: str = "none",
+        lean: bool | None = None,
+        pack: bool | None = None,
+        quant_switch_rows: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,10 +157,14 @@ class CausalLMRunner:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
+        check_quantization(quantization, type(self).__name__, self.quantizations)
         self.precision = resolve_precision(dtype, device)
         extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder, **extra)
-        model_kwargs: dict[str, Any] = dict(extra, dtype=self.precision.dtype)
+        # A quantized model is quantized from float32 weights (a GGUF's dequantized 4-bit groups
+        # are exact there, not after rounding to bfloat16); the model is cast after.
+        load_dtype = self.precision.dtype if quantization == "none" else torch.float32
+        model_kwargs: dict[str, Any] = dict(extra, dtype=load_dtype)
         if attn_implementation is not None:
             model_kwargs["attn_implementation"] = attn_implementation
         model: Any = AutoModelForCausalLM.from_pretrained(self.folder, **model_kwargs)
@@ -179,10 +198,38 @@ class CausalLMRunner:
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="tail")
         self.has_chat_template = self.text.has_chat_template
+        self.quantization = quantization
+        self.lean = self._lean_path(lean, quantization, pack, quant_switch_rows)
+        self.model = self.model.to(self.precision.dtype)
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _lean_path(
+        self, lean: bool | None, quantization: str, pack: bool | None, switch_rows: int | None
+    ) -> LeanLlama | None:
+        """The lean forward (`runners.llama`) when the model is Llama-family and `lean` is not
+        False; a quantization needs it (the HF path runs dense weights only)."""
+        why = "lean=False" if lean is False else lean_unsupported(self.model)
+        if why is not None:
+            if quantization != "none":
+                raise ValueError(
+                    f"{self.info.name}: quantization {quantization} needs the lean Llama "
+                    f"path, which is off here ({why})"
+                )
+            if lean:
+                raise ValueError(f"{self.info.name}: lean path unsupported: {why}")
+            log.info("lean path off for %s: %s (transformers forward)", self.info.name, why)
+            return None
+        cfg = self.model.config
+        shape = (int(cfg.intermediate_size) * 2, int(cfg.hidden_size))
+        plan = plan_for(
+            shape, self.precision.dtype, quantization, pack=pack, switch_rows=switch_rows
+        )
+        path = LeanLlama(self.model, plan, self.info.max_length + 1, self.precision.dtype)
+        log.info(path.describe())
+        return path
 
     def tokenize(self, texts: Sequence[str], truncate: bool = False) -> list[list[int]]:
         """Token ids of each prompt, with the tokenizer's special tokens (e.g. BOS). Prompts
@@ -212,6 +259,8 @@ class CausalLMRunner:
         `mask` covers the cached columns plus the new ones; `positions` are per-row positions
         of the new columns (left padding: 0 at each row's first real token).
         """
+        if self.lean is not None:
+            return self.lean.forward(input_ids, mask, positions, cache)
         return last_logits(self.model, input_ids, mask, positions, cache)
 
     def warm_up(self) -> None:

@@ -208,4 +208,5 @@ def load_causal(settings: Settings, device: str, threads: int) -> Any:
         max_length=m.max_length,
         torch_threads=threads,
         dtype=m.dtype,
+        quantization=m.quantization.value,
     )

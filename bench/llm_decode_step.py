@@ -1,0 +1,154 @@
+"""One decode step through `CausalLMRunner` + the KV batch, per runner configuration and row count.
+
+    bench/llm_decode_step.py --model smollm2 --rows 1,8,32 --cols 310 --steps 30 \\
+        [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4] \\
+        [--out bench/results/llm_decode_step.md]
+
+Each row count gets a running batch (`generate.kvcache.KVBatch`) of that many rows whose cache
+holds `--cols` columns (one real prompt prefilled once, its keys and values copied into every
+row); a step is `runner.forward` on the batch's step inputs, after which the cache's window is
+rolled back, so every timed step reads exactly `--cols` cached columns. Reported: the median
+and the 10th-90th percentile range of `--steps` steps, per configuration; configurations take
+turns step by step (A/B interleaved), so a load change on a shared machine hits them alike.
+
+Configurations: `hf` is transformers' forward (`lean=False`), `lean` the lean Llama path
+(`runners.llama`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
+switch point to weight-only kernels) printed beside it. The processor key heads the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from lenbatch.generate.kvcache import KVBatch
+from lenbatch.runners.causal import CausalLMRunner, new_cache, resolve_causal_model
+from lenbatch.runners.hardware import processor_key
+
+DEFAULT_CONFIGS = (
+    "hf-fp32",
+    "lean-fp32",
+    "hf-bf16",
+    "lean-bf16",
+    "lean-bf16-int8",
+    "lean-bf16-int4",
+)
+CONFIGS = {
+    "hf-fp32": {"dtype": "float32", "lean": False},
+    "lean-fp32": {"dtype": "float32"},
+    "hf-bf16": {"dtype": "bfloat16", "lean": False},
+    "lean-bf16": {"dtype": "bfloat16"},
+    "lean-bf16-int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "lean-bf16-int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "lean-fp32-int8": {"dtype": "float32", "quantization": "int8"},
+    "lean-fp32-int4": {"dtype": "float32", "quantization": "int4"},
+}
+
+
+def _prompt(runner: CausalLMRunner, cols: int) -> list[int]:
+    ref = resources.files("lenbatch") / "data" / "text" / "gsm8k_test.jsonl"
+    text = ref.read_text(encoding="utf-8")[: 20 * cols]
+    ids = runner.tokenize([text])[0]
+    if len(ids) < cols:
+        raise SystemExit(f"the bundled text gives only {len(ids)} tokens, fewer than {cols}")
+    return ids[:cols]
+
+
+def _batch(runner: CausalLMRunner, ids: list[int], rows: int) -> KVBatch:
+    """A running batch of `rows` copies of the prefilled prompt `ids`."""
+    x = torch.tensor([ids])
+    mask = torch.ones_like(x)
+    pos = torch.arange(len(ids))[None]
+    one = new_cache(runner.model.config)
+    logits = runner.forward(x, mask, pos, one)
+    tiled = new_cache(runner.model.config)
+    for i, layer in enumerate(one.layers):
+        tiled.update(layer.keys.repeat(rows, 1, 1, 1), layer.values.repeat(rows, 1, 1, 1), i)
+    last = logits.argmax(-1).repeat(rows)
+    return KVBatch(tiled, mask.repeat(rows, 1), torch.full((rows,), len(ids)), last)
+
+
+def _step(runner: CausalLMRunner, kv: KVBatch) -> float:
+    ids, mask, pos = kv.step_inputs()
+    t0 = time.perf_counter()
+    runner.forward(ids, mask, pos, kv.cache)
+    elapsed = time.perf_counter() - t0
+    kv.rollback()  # the window reads `cols` columns again next step
+    return elapsed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rows", default="1,8,32")
+    p.add_argument("--cols", type=int, default=310)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--configs", default="hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4"
+    )
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, help="write the table (markdown) here")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ref = resolve_causal_model(args.model)
+    if ref is None:
+        raise SystemExit(f"{args.model} is not a causal LM")
+    names = args.configs.split(",")
+    runners: dict[str, CausalLMRunner] = {}
+    for name in names:
+        runners[name] = CausalLMRunner(
+            ref.folder, gguf_file=ref.gguf_file, name=ref.name, **CONFIGS[name]
+        )
+    first = next(iter(runners.values()))
+    ids = _prompt(first, args.cols)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    table: dict[tuple[str, int], list[float]] = {}
+    for rows in rows_list:
+        batches = {n: _batch(r, ids, rows) for n, r in runners.items()}
+        for n in names:  # warm-up
+            for _ in range(3):
+                _step(runners[n], batches[n])
+        for _ in range(args.steps):
+            for n in names:
+                table.setdefault((n, rows), []).append(_step(runners[n], batches[n]))
+        del batches
+
+    def cell(xs: list[float]) -> str:
+        q = statistics.quantiles(xs, n=10)
+        return f"{1000 * statistics.median(xs):.1f} ({1000 * q[0]:.1f}-{1000 * q[-1]:.1f})"
+
+    def plan(r: CausalLMRunner) -> str:
+        return r.lean.plan.describe() if r.lean is not None else "transformers forward"
+
+    lines = [
+        f"Processor: `{processor_key()}`; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}.",
+        "",
+        f"Command: `{' '.join(['bench/llm_decode_step.py', *sys.argv[1:]])}`",
+        "",
+        "One decode step, ms: median (10th-90th percentile) of "
+        f"{args.steps} steps at {args.cols} cached columns.",
+        "",
+        "| config | linears | " + " | ".join(f"{r} rows" for r in rows_list) + " |",
+        "|---|---|" + "---:|" * len(rows_list),
+    ]
+    for n in names:
+        cells = " | ".join(cell(table[(n, r)]) for r in rows_list)
+        lines.append(f"| {n} | {plan(runners[n])} | {cells} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

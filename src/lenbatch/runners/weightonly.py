@@ -1,0 +1,276 @@
+"""Matrix products of the lean decode path: dense, oneDNN-prepacked, weight-only int8 and int4.
+
+A `RowLinear` is called with its input `[rows, in]` and the row count (tokens in the product);
+`make_linear` builds one from a dense weight `[out, in]` and a `LinearPlan`:
+
+* `pack`: weights reordered once for oneDNN (`runners.linears.Linear`, the encoders' prepacked
+  product); taken only where `measure_pack` found it faster than `F.linear` on this processor;
+* `int8`: per-output-channel symmetric int8 weights, `aten._weight_int8pack_mm`;
+* `int4`: group-wise (32 columns) asymmetric 4-bit weights, `aten._weight_int4pack_mm_for_cpu`.
+  A model shipped as Q4_1 GGUF (SmolLM2) has exactly such groups along its input features, so
+  re-quantizing its dequantized weights gets the shipped 4-bit values back (nearly lossless).
+
+Weight-only kernels stream fewer weight bytes, which wins while a product is bound by reading
+weights (few rows); with many rows the dense kernel wins. A quantized `RowLinear` therefore keeps
+the dense one too and takes the quantized kernel only up to `plan.switch_rows` rows, a point
+`measure_switch` measures on this processor (`processor_key`), once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners.hardware import processor_key
+from lenbatch.runners.linears import Linear, linear_kind
+
+__all__ = [
+    "INT4_GROUP",
+    "LinearPlan",
+    "RowLinear",
+    "make_linear",
+    "measure_pack",
+    "measure_switch",
+    "plan_for",
+]
+
+log = logging.getLogger("lenbatch.runner")
+
+# The kernels below are torch's own (what torch.compile and torchao emit on CPU); they have no
+# public name, hence the SLF001 exemptions.
+
+INT4_GROUP = 32
+_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How the lean path's linears run: quantization (none, int8, int4), oneDNN prepacking of
+    the dense weights, and the most rows a product runs quantized (dense above)."""
+
+    quantization: str = "none"
+    pack: bool = False
+    switch_rows: int = 0
+
+    def describe(self) -> str:
+        """E.g. `int4 up to 16 rows, dense prepacked above`."""
+        dense = "dense prepacked" if self.pack else "dense F.linear"
+        if self.quantization == "none":
+            return dense
+        return f"{self.quantization} up to {self.switch_rows} rows, {dense} above"
+
+
+class RowLinear:
+    """`y = x @ W.T` for a 2-D `x`; `rows` is `x.shape[0]` (passed to spare a lookup)."""
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        raise NotImplementedError
+
+
+class DenseLinear(RowLinear):
+    """`F.linear` on the weight as loaded."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        return F.linear(x, self.weight)
+
+
+class PackedLinear(RowLinear):
+    """The weight reordered once into oneDNN's blocked layout (`runners.linears.Linear`)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.linear = Linear(weight, None, weight.dtype, kind="prepacked")
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        return self.linear(x)
+
+
+class Int8Linear(RowLinear):
+    """Per-output-channel symmetric int8 weights; activations in `dtype` (default: the
+    weight's)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(dtype or weight.dtype)
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        return torch._weight_int8pack_mm(x, self.q, self.scale)  # noqa: SLF001
+
+
+class Int4Linear(RowLinear):
+    """Asymmetric 4-bit weights in groups of `INT4_GROUP` input columns:
+    `w = (q - 8) * scale + zero` with `zero = min + 8 * scale`, `q` in 0..15; activations in
+    `dtype` (default: the weight's)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        out, inp = weight.shape
+        g = weight.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out, inp), 1)  # noqa: SLF001
+        # [in / group, out, 2]: the kernel's layout of (scale, zero) per group and output.
+        self.scales_zeros = (
+            torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+        ).to(dtype or weight.dtype)
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)  # noqa: SLF001
+
+
+class SwitchLinear(RowLinear):
+    """The quantized kernel up to `switch_rows` rows, the dense one above."""
+
+    def __init__(self, small: RowLinear, large: RowLinear, switch_rows: int) -> None:
+        self.small, self.large, self.switch_rows = small, large, switch_rows
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        if rows <= self.switch_rows:
+            return self.small(x, rows)
+        return self.large(x, rows)
+
+
+def _quantized(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> RowLinear:
+    if quantization == "int8":
+        return Int8Linear(weight, dtype)
+    if quantization == "int4":
+        if weight.shape[1] % INT4_GROUP:
+            raise ValueError(f"int4: {weight.shape[1]} input features are not a multiple of 32")
+        return Int4Linear(weight, dtype)
+    raise ValueError(f"quantization {quantization!r}: expected none, int8 or int4")
+
+
+def _dense(weight: torch.Tensor, pack: bool) -> RowLinear:
+    return PackedLinear(weight) if pack else DenseLinear(weight)
+
+
+def make_linear(
+    weight: torch.Tensor, plan: LinearPlan, dtype: torch.dtype | None = None
+) -> RowLinear:
+    """The `RowLinear` for a dense `weight` `[out, in]` under `plan`, computing in `dtype`
+    (default: the weight's); quantized weights come from `weight` as given."""
+    dtype = dtype or weight.dtype
+    dense = _dense(weight.to(dtype), plan.pack)
+    if plan.quantization == "none" or plan.switch_rows <= 0:
+        return dense
+    return SwitchLinear(_quantized(weight, plan.quantization, dtype), dense, plan.switch_rows)
+
+
+def _race(a: Callable[[], object], b: Callable[[], object], reps: int = 9) -> tuple[float, float]:
+    """Best-of-`reps` seconds of `a` and of `b`, called in turns so that a load change on a
+    shared machine hits both alike."""
+    a()
+    b()
+    best_a = best_b = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        best_a, best_b = min(best_a, t1 - t0), min(best_b, t2 - t1)
+    return best_a, best_b
+
+
+# Weights a probe streams through per call: more bytes than a server CPU's last-level cache,
+# so the probe reads them from memory as a decode step does (a model's layers together are far
+# larger than the cache; one hot weight would make every kernel look compute-bound).
+_PROBE_BYTES = 96 << 20
+
+
+def _probe_weights(shape: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=gen) * 0.02
+    size = shape[0] * shape[1] * torch.tensor([], dtype=dtype).element_size()
+    return [(w + 1e-4 * i).to(dtype) for i in range(min(256, max(1, _PROBE_BYTES // size)))]
+
+
+def _sweep(linears: list[RowLinear], x: torch.Tensor, rows: int) -> Callable[[], object]:
+    def run() -> None:
+        for lin in linears:
+            lin(x, rows)
+
+    return run
+
+
+def measure_pack(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether oneDNN-prepacked products beat `F.linear` on this processor for weights of
+    `shape` in `dtype` (streamed from memory), summed over 1, 8 and 32 rows (False where
+    packing is unavailable)."""
+    kind, why = linear_kind(torch.device("cpu"), dtype)
+    if kind != "prepacked":
+        log.info("oneDNN prepacking unavailable (%s): dense F.linear", why)
+        return False
+    ws = _probe_weights(shape, dtype)
+    packed: list[RowLinear] = [PackedLinear(w) for w in ws]
+    dense: list[RowLinear] = [DenseLinear(w) for w in ws]
+    t_dense = t_packed = 0.0
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, shape[1]).to(dtype)
+        d, p = _race(_sweep(dense, x, rows), _sweep(packed, x, rows))
+        t_dense, t_packed = t_dense + d, t_packed + p
+    return t_packed < t_dense
+
+
+def measure_switch(
+    shape: tuple[int, int], dtype: torch.dtype, quantization: str, pack: bool
+) -> int:
+    """Most rows for which the `quantization` kernel beats the dense one on this processor
+    (every smaller probed row count too), for weights of `shape` in `dtype` streamed from
+    memory; 0 when it never does. Probes 1, 2, 4, ... 128 rows."""
+    ws = _probe_weights(shape, dtype)
+    quant = [_quantized(w, quantization, dtype) for w in ws]
+    dense = [_dense(w, pack) for w in ws]
+    switch = 0
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, shape[1]).to(dtype)
+        t_quant, t_dense = _race(_sweep(quant, x, rows), _sweep(dense, x, rows))
+        if t_quant >= t_dense:
+            break
+        switch = rows
+    return switch
+
+
+_MEASURED: dict[tuple[str, str, str, tuple[int, int], bool | None], LinearPlan] = {}
+
+
+def plan_for(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    quantization: str = "none",
+    *,
+    pack: bool | None = None,
+    switch_rows: int | None = None,
+) -> LinearPlan:
+    """The plan for a model whose typical linear weight has `shape`, in `dtype`: `pack` and
+    `switch_rows` as given, else measured here (once per processor, dtype, quantization and
+    shape in this process) and logged with the processor key."""
+    key = (processor_key(), str(dtype), quantization, shape, pack)
+    plan = _MEASURED.get(key)
+    if plan is None:
+        packed = measure_pack(shape, dtype) if pack is None else pack
+        switch = 0
+        if quantization != "none" and switch_rows is None:
+            switch = measure_switch(shape, dtype, quantization, packed)
+        plan = LinearPlan(quantization, packed, switch)
+        if pack is None or quantization != "none":
+            log.info("linears on %s in %s: %s (measured)", key[0], dtype, plan.describe())
+        _MEASURED[key] = plan
+    if switch_rows is not None:
+        plan = replace(plan, switch_rows=switch_rows)
+    return plan

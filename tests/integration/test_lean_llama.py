@@ -1,0 +1,159 @@
+"""The lean Llama path (`runners.llama`, `runners.weightonly`) against transformers.
+
+The references are transformers' own: `model.generate()` greedy tokens for the tiny random
+Llama (fp32, prepacked or not), `F.linear` on the dequantized weights for the int4/int8 kernels.
+GPT-2 is not Llama: it keeps transformers' forward, and a quantization on it is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners.causal import CausalLMRunner
+from lenbatch.runners.weightonly import (
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    LinearPlan,
+    make_linear,
+    measure_switch,
+)
+from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
+
+
+def _greedy(runner: CausalLMRunner, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of one prompt through `runner.forward` (the path the engine calls)."""
+    x = torch.tensor([prompt])
+    mask = torch.ones_like(x)
+    cache = runner.new_cache()
+    logits = runner.forward(x, mask, torch.arange(len(prompt))[None], cache)
+    out: list[int] = []
+    for i in range(n):
+        tok = int(logits.argmax(-1))
+        out.append(tok)
+        if tok in runner.eos_token_ids:
+            break
+        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
+        pos = torch.tensor([[len(prompt) + i]])
+        logits = runner.forward(torch.tensor([[tok]]), mask, pos, cache)
+    return out
+
+
+def test_llama_runs_lean_and_gpt2_does_not(llama_runner: Any, gpt2_runner: Any) -> None:
+    """The tiny Llama gets the lean path by default; GPT-2 keeps transformers' forward."""
+    assert llama_runner.lean is not None
+    assert gpt2_runner.lean is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", [False, True])
+def test_lean_fp32_greedy_equals_generate(tiny_llama_dir: Path, pack: bool) -> None:
+    """fp32 greedy through the lean path, dense or prepacked, equals `generate()` alone."""
+    runner = CausalLMRunner(tiny_llama_dir, name="tiny-llama", pack=pack)
+    assert runner.lean is not None and runner.lean.plan.pack is pack
+    for prompt in runner.tokenize(PROMPTS):
+        assert _greedy(runner, prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
+
+
+@pytest.mark.slow
+def test_lean_logits_match_transformers_batched(tiny_llama_dir: Path) -> None:
+    """A left-padded prefill and a decode step give transformers' logits (fp32)."""
+    lean = CausalLMRunner(tiny_llama_dir, name="tiny-llama", pack=False)
+    hf = CausalLMRunner(tiny_llama_dir, name="tiny-llama", lean=False)
+    ids = torch.tensor([[2, 2, 5, 9, 11, 40], [7, 8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    c1, c2 = lean.new_cache(), hf.new_cache()
+    torch.testing.assert_close(lean.forward(ids, mask, pos, c1), hf.forward(ids, mask, pos, c2))
+    step = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], 1)
+    nxt, npos = torch.tensor([[3], [4]]), pos[:, -1:] + 1
+    torch.testing.assert_close(lean.forward(nxt, step, npos, c1), hf.forward(nxt, step, npos, c2))
+
+
+def test_quantization_needs_the_lean_path(tiny_gpt2_dir: Path, tiny_llama_dir: Path) -> None:
+    """A quantization on a model without the lean path is refused, naming why."""
+    with pytest.raises(ValueError, match="int8 needs the lean Llama path"):
+        CausalLMRunner(tiny_gpt2_dir, quantization="int8")
+    with pytest.raises(ValueError, match="lean=False"):
+        CausalLMRunner(tiny_llama_dir, quantization="int4", lean=False)
+    with pytest.raises(ValueError, match="quantization 'int3'"):
+        CausalLMRunner(tiny_llama_dir, quantization="int3")
+
+
+def _grouped_weight(out: int, inp: int) -> torch.Tensor:
+    """A weight every group of 32 input columns of which holds 16 levels `lo + q * step`
+    (0 and 15 both present): what a Q4_1 GGUF dequantizes to."""
+    gen = torch.Generator().manual_seed(1)
+    groups = inp // INT4_GROUP
+    q = torch.randint(0, 16, (out, groups, INT4_GROUP), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    lo = torch.randn((out, groups, 1), generator=gen) * 0.05
+    step = torch.rand((out, groups, 1), generator=gen) * 0.01 + 0.001
+    return (lo + q * step).reshape(out, inp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_recovers_q4_groups(dtype: torch.dtype) -> None:
+    """Int4 of Q4_1-like weights is the dense product up to the activations' rounding."""
+    w = _grouped_weight(96, 128)
+    x = torch.randn(5, 128)
+    ref = F.linear(x, w)
+    got = Int4Linear(w.to(dtype))(x.to(dtype), 5).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+def test_int8_is_close_to_dense() -> None:
+    """Per-channel int8: within 1 % of the dense product's scale."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn((64, 96), generator=gen) * 0.02
+    x = torch.randn((3, 96), generator=gen)
+    ref = F.linear(x, w)
+    got = Int8Linear(w)(x, 3)
+    assert float((got - ref).abs().max()) < 0.01 * float(ref.abs().max())
+
+
+def test_switch_takes_dense_above_the_switch_point() -> None:
+    """Up to `switch_rows` rows the quantized kernel runs, the dense one above."""
+    w = _grouped_weight(64, 64)
+    lin = make_linear(w, LinearPlan("int8", pack=False, switch_rows=2))
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(lin(x, 4), F.linear(x, w))  # dense: exact
+    assert not torch.equal(lin(x[:2], 2), F.linear(x[:2], w))  # int8: rounded
+    assert 0 <= measure_switch((64, 64), torch.float32, "int4", False) <= 128
+
+
+def test_int4_keeps_the_output_matrix_in_int8(tiny_llama_dir: Path) -> None:
+    """int4 quantizes the layers' linears, the output matrix only to int8 (an 8-bit tensor in
+    a Q4 GGUF); bfloat16 compute keeps its dense weights in bfloat16."""
+    from lenbatch.runners.weightonly import SwitchLinear
+
+    r = CausalLMRunner(tiny_llama_dir, quantization="int4", quant_switch_rows=8, pack=False)
+    assert r.lean is not None
+    layer = r.lean.layers[0].gate_up
+    assert isinstance(layer, SwitchLinear) and isinstance(layer.small, Int4Linear)
+    head = r.lean.lm_head
+    assert isinstance(head, SwitchLinear) and isinstance(head.small, Int8Linear)
+    bf = CausalLMRunner(tiny_llama_dir, dtype="bfloat16", quantization="int8", pack=False)
+    assert bf.lean is not None and bf.lean.embed.dtype == torch.bfloat16
+    assert next(bf.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
+    """int8 and int4 (forced on at every row count) keep the tiny Llama's logits close: cosine
+    similarity to the dense logits (random weights are int4's worst case: no Q4 groups)."""
+    dense = CausalLMRunner(tiny_llama_dir, pack=False)
+    ids = torch.tensor([[5, 9, 11, 40, 41, 42]])
+    mask, pos = torch.ones_like(ids), torch.arange(6)[None]
+    ref = dense.forward(ids, mask, pos, dense.new_cache())
+    for q, least in (("int8", 0.999), ("int4", 0.9)):
+        r = CausalLMRunner(tiny_llama_dir, quantization=q, pack=False, quant_switch_rows=1024)
+        assert r.lean is not None and r.lean.plan.switch_rows == 1024
+        got = r.forward(ids, mask, pos, r.new_cache())
+        assert float(F.cosine_similarity(got, ref).min()) > least, q
