@@ -111,6 +111,13 @@ def add_adaptive_options(p: argparse.ArgumentParser) -> None:
         "alone, at least 100 ms; X-Request-Timeout overrides it per call)",
     )
     g.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        metavar="MS",
+        help="causal LMs: mean inter-token latency objective (default 150; --slo-ms is then "
+        "the time to first token, default 1000)",
+    )
+    g.add_argument(
         "--shed",
         choices=["429", "503", "late"],
         help="a request predicted to miss its deadline: 429 or 503 at once with Retry-After, "
@@ -135,6 +142,7 @@ def adaptive_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The `adaptive` section of settings overrides from `add_adaptive_options`' flags."""
     return {
         "slo_ms": args.slo_ms,
+        "itl_slo_ms": getattr(args, "itl_slo_ms", None),
         "shed": args.shed,
         "priority_levels": args.priority_levels,
         "late_binding": False if args.no_late_binding else None,

@@ -214,8 +214,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_ray(args, settings)
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     causal = resolve_causal_model(m.name)
-    if causal is not None and settings.batching.strategy is Strategy.ADAPTIVE:
-        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
     if causal is not None:
         from lenbatch.serving.http import serve_app
 
@@ -338,6 +336,7 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         settings.admission,
         settings.generation,
         length_log=length_log,
+        adaptive=settings.adaptive,
     )
     log.info(
         "model %s: context=%d chat_template=%s",
