@@ -109,9 +109,16 @@ class GenCosts:
     `drift` is the recent measured/predicted ratio of whole loop turns.
     """
 
-    def __init__(self, model: str, window: int = 256) -> None:
-        self.prefill = OnlineCostModel(PREFILL_PRIOR, window)
-        self.decode = OnlineCostModel(DECODE_PRIOR, window)
+    def __init__(
+        self,
+        model: str,
+        window: int = 256,
+        *,
+        prefill_prior: CostCoefficients = PREFILL_PRIOR,
+        decode_prior: CostCoefficients = DECODE_PRIOR,
+    ) -> None:
+        self.prefill = OnlineCostModel(prefill_prior, window)
+        self.decode = OnlineCostModel(decode_prior, window)
         self.prefill.source = self.decode.source = "generic prior"
         self.book = CostBook()
         self.book.put(model, WorkKind.PREFILL_CHUNK, self.prefill)

@@ -241,6 +241,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         refusal = self.admission.check([len(prompt)], self.queues, now)
         if refusal is None and self.adaptive is not None:
             refusal = self._priced_refusal(len(prompt), priority, now - (arrival or now))
+            if refusal is not None:
+                self.metrics.record_shed("admission")
         if refusal is not None:
             self.metrics.record_rejection(refusal.code)
             raise refusal
@@ -274,7 +276,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             self.queues.remove(r)
             late_by = now - (r.arrival + self.adaptive.slo.ttft(r.priority))
             err = self.adaptive.overloaded(max(late_by, 0.0), 0.0, now - r.arrival)
-            self.metrics.record_rejection(err.code)
+            self.metrics.record_shed("queue")
             self.ledger.shed(ticket_of(r.handle), err)
 
     # ------------------------------------------------------------------ the loop
