@@ -359,9 +359,7 @@ class _Job(Protocol):
     def remaining(self) -> int: ...
 
 
-def door_state(
-    rows: Iterable[_Gen], jobs: Iterable[_Job]
-) -> tuple[list[RunningRow], int, int]:
+def door_state(rows: Iterable[_Gen], jobs: Iterable[_Job]) -> tuple[list[RunningRow], int, int]:
     """What admission reads from the decoder: the running rows' tokens left, the prefill tokens
     still to run and the rows they carry."""
     running = [
