@@ -108,7 +108,8 @@ def add_adaptive_options(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="MS",
         help="SLO, arrival to answer (default: 4x the predicted time of the longest input "
-        "alone, at least 100 ms; X-Request-Timeout overrides it per call)",
+        "alone, at least 100 ms; X-Request-Timeout overrides it per call); for a causal LM, "
+        "arrival to first token (default 1000)",
     )
     g.add_argument(
         "--itl-slo-ms",

@@ -137,8 +137,8 @@ class AdaptiveConfig(BaseModel):
     times the predicted time of the longest input alone, at least 100 ms). The
     `X-Request-Timeout` header overrides it per call."""
     itl_slo_ms: float = Field(150.0, gt=0)
-    """Causal LMs: mean inter-token latency objective, ms (`slo_ms` is then the time-to-first-
-    token objective, default 1000 ms). The running batch and prefill chunks are sized to it."""
+    """Causal LMs: mean inter-token latency objective, ms (`slo_ms` is then the objective on
+    the time to first token, default 1000 ms). Running rows and prefill chunks fit it."""
     min_wait_ms: float = Field(0.0, ge=0)
     """Shortest wait a lane may choose to fill its batch."""
     max_wait_ms: float = Field(100.0, ge=0)
