@@ -147,3 +147,18 @@ def test_client_that_leaves_mid_stream_frees_its_row(served: _Served) -> None:
     _settle(engine)
     assert engine.decoder.running_rows == 0
     assert engine.unanswered == 0
+
+
+def test_a_priority_out_of_range_is_a_400_naming_the_range(served: _Served) -> None:
+    """X-Priority beyond the server's levels is refused with 400 `invalid_priority`."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    resp = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": "3"}, timeout=30
+    )
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_priority" and "one priority level" in err["message"]
+    ok = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": "0"}, timeout=30
+    )
+    assert ok.status_code == 200, ok.text

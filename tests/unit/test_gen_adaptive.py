@@ -186,3 +186,10 @@ def test_door_state_reads_rows_left_and_pending_prefill() -> None:
     running, tokens, pending = door_state(rows, [_Job(2, 30)])
     assert running == [RunningRow(8)]
     assert (tokens, pending) == (60, 2)
+
+
+def test_levels_and_their_ttft_objectives() -> None:
+    """`priority_slo_ms` gives each level its TTFT objective; without it every level has slo_ms."""
+    p = _policy(priority_levels=2, priority_slo_ms=(2000.0, 500.0))
+    assert p.slo.levels == 2 and p.slo.ttft(0) == 2.0 and p.slo.ttft(1) == 0.5
+    assert _policy(priority_levels=3).slo.ttft_s == (1.0, 1.0, 1.0)

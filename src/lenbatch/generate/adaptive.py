@@ -104,6 +104,11 @@ class GenSLO:
     ttft_s: tuple[float, ...]
     itl_s: float
 
+    @property
+    def levels(self) -> int:
+        """Priority levels (0 .. levels - 1)."""
+        return len(self.ttft_s)
+
     def ttft(self, priority: int) -> float:
         """The TTFT objective of priority level `priority` (clamped to the levels)."""
         return self.ttft_s[max(0, min(priority, len(self.ttft_s) - 1))]

@@ -37,7 +37,7 @@ from lenbatch.config import (
     Strategy,
 )
 from lenbatch.core.clock import Clock
-from lenbatch.core.errors import InputTooLong, LenbatchError
+from lenbatch.core.errors import BadInput, InputTooLong, LenbatchError
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
@@ -206,6 +206,15 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         priority: int = 0,
     ) -> list[Generation]:
         """Queue every prompt of one call; if one is refused, withdraw the others."""
+        levels = self.adaptive.slo.levels if self.adaptive is not None else 1
+        if isinstance(priority, bool) or not 0 <= priority < levels:
+            allowed = (
+                "0 (this server has one priority level: strategy adaptive with "
+                "--priority-levels N has more)"
+                if levels == 1
+                else f"an integer in [0, {levels - 1}] (higher runs first)"
+            )
+            raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
         gens: list[Generation] = []
         try:
             for p in prompts:
