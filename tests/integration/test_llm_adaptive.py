@@ -162,3 +162,13 @@ def test_a_priority_out_of_range_is_a_400_naming_the_range(served: _Served) -> N
         served.url + "/v1/completions", json=body, headers={"X-Priority": "0"}, timeout=30
     )
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1e3", "99999999999999999999999"])
+def test_a_malformed_priority_is_a_4xx(served: _Served, value: str) -> None:
+    """Whatever the X-Priority header holds, the answer is a 4xx, never a 5xx."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    resp = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": value}, timeout=30
+    )
+    assert 400 <= resp.status_code < 500, resp.text
