@@ -129,6 +129,8 @@ def test_overload_burst_is_shed_with_retry_after_and_nothing_is_lost(served: _Se
     assert ended.get("ok", 0) == len(ok)
     assert ended.get("shed", 0) == len(shed_in_queue)
     assert ended.get("error", 0) == 0 and ended.get("expired", 0) == 0
+    decisions = httpx.get(served.url + "/stats", timeout=10).json()["adaptive"]["decisions"]
+    assert decisions["totals"]["admission"] >= len(refused)
 
 
 def test_client_that_leaves_mid_stream_frees_its_row(served: _Served) -> None:

@@ -193,3 +193,24 @@ def test_levels_and_their_ttft_objectives() -> None:
     p = _policy(priority_levels=2, priority_slo_ms=(2000.0, 500.0))
     assert p.slo.levels == 2 and p.slo.ttft(0) == 2.0 and p.slo.ttft(1) == 0.5
     assert _policy(priority_levels=3).slo.ttft_s == (1.0, 1.0, 1.0)
+
+
+def test_each_refusal_and_shed_is_logged_with_its_prediction() -> None:
+    """The decision log keeps why: where, length, due, predicted first token, work ahead."""
+    p = _policy()
+    err = p.refusal(200, 0, 0.0, _queued([400] * 5), 0, [], 0, now=10.0)
+    assert err is not None
+    p.overdue(_queued([100], arrival=0.0), now=11.0)
+    (door, queue) = p.log.decisions()
+    assert (door.where, door.at, door.length, door.queue_ahead, door.queued) == (
+        "admission",
+        10.0,
+        200,
+        5,
+        5,
+    )
+    assert door.due_in == 1.0 and door.finish_in > door.due_in * 0.7
+    assert (queue.where, queue.at, queue.length) == ("queue", 11.0, 100)
+    assert queue.due_in == pytest.approx(-10.0)
+    summary = p.describe(12.0)["decisions"]
+    assert summary["totals"] == {"admission": 1, "queue": 1}

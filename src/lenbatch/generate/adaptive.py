@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from lenbatch.config import AdaptiveConfig, GenerationConfig, ShedMode
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.costkey import CostBook, WorkKind
+from lenbatch.core.decisions import DecisionLog, ShedDecision
 from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
 from lenbatch.core.request import Request
 from lenbatch.generate.policy import Unit
@@ -208,6 +209,11 @@ class AdaptiveGenPolicy:
         self.costs = costs
         self.refused = 0  # at the door
         self.shed = 0  # from the queue
+        # Why each refusal and shed happened: predicted first token (`finish_in`), the wait for
+        # a row (`start_in`, `running_s`), the prefill ahead, the prefill cost model then.
+        self.log = DecisionLog()
+        self._ahead: tuple[float, int, int] = (0.0, 0, 0)
+        self._queued_seen = 0
 
     # ------------------------------------------------------------------ DecodePolicy
 
@@ -269,8 +275,9 @@ class AdaptiveGenPolicy:
         token: the prefill tokens ahead of it (pending jobs and queued requests at its priority
         or above) plus its own, in chunks interleaved with decode steps, after waiting for a
         free row when the batch is full."""
-        ahead_tokens, ahead_rows = pending_tokens, pending_rows
+        ahead_tokens, ahead_rows, self._queued_seen = pending_tokens, pending_rows, 0
         for r in queued:
+            self._queued_seen += 1
             if r.priority >= priority:
                 ahead_tokens += r.length
                 ahead_rows += 1
@@ -291,6 +298,7 @@ class AdaptiveGenPolicy:
                 steps = int(left[-1] + rounds * mean)
             wait = steps * self.costs.decode_s(cap)
         tokens = ahead_tokens + prompt_len
+        self._ahead = (wait, ahead_rows, ahead_tokens)
         if running == 0 and wait == 0.0:
             return self.costs.prefill_s(1, tokens)
         cols = self.chunk_cols(1, min(running, cap))
@@ -306,10 +314,12 @@ class AdaptiveGenPolicy:
         pending_tokens: int,
         rows: list[RunningRow],
         pending_rows: int,
+        *,
+        now: float = 0.0,
     ) -> LenbatchError | None:
         """The 429/503 (with Retry-After) for a request predicted to miss its TTFT objective
-        even so, else None; `waited` is the time it has already spent since arrival. Never
-        refuses with shed mode `late`."""
+        even so, else None; `waited` is the time it has already spent since arrival, `now`
+        the clock time for the decision log. Never refuses with shed mode `late`."""
         if self.shed_mode is ShedMode.LATE:
             return None
         due = self.slo.ttft(priority) - waited
@@ -319,6 +329,7 @@ class AdaptiveGenPolicy:
         if eta <= due * ADMIT_SHARE:
             return None
         self.refused += 1
+        self._record(now, "admission", prompt_len, priority, due, self._ahead[0], eta, len(rows))
         return self.overloaded(eta - due, due, eta)
 
     def overdue(self, queued: Iterable[Request], now: float) -> list[Request]:
@@ -332,7 +343,51 @@ class AdaptiveGenPolicy:
             if now + self.costs.prefill_s(1, r.length) > r.arrival + self.slo.ttft(r.priority)
         ]
         self.shed += len(out)
+        self._queued_seen = 0
+        self._ahead = (0.0, 0, 0)
+        for r in out:
+            due = r.arrival + self.slo.ttft(r.priority) - now
+            self._record(now, "queue", r.length, r.priority, due, 0.0,
+                         self.costs.prefill_s(1, r.length), 0)  # fmt: skip
         return out
+
+    def _record(
+        self,
+        now: float,
+        where: str,
+        length: int,
+        priority: int,
+        due: float,
+        start: float,
+        eta: float,
+        running: int,
+    ) -> None:
+        """Log one refusal or shed with what was predicted (lengths and times only)."""
+        wait, ahead_rows, _ = self._ahead
+        co = self.costs.prefill.coefficients
+        self.log.record(
+            ShedDecision(
+                at=now,
+                where=where,
+                length=length,
+                inputs=1,
+                lane=-1,  # admission prices the whole queue, not one lane
+                priority=priority,
+                due_in=due,
+                start_in=start,
+                finish_in=eta,
+                running_s=wait,
+                queued_s=max(0.0, eta - start - self.costs.prefill_s(1, length)),
+                queue_ahead=ahead_rows,
+                queued=self._queued_seen,
+                inflight=running,
+                cost_a_s=co.a,
+                cost_b_s=co.b,
+                cost_c_s=co.c,
+                observed_batches=self.costs.prefill.observed + self.costs.decode.observed,
+                drift=self.costs.drift,
+            )
+        )
 
     def overloaded(self, late_by: float, due: float, eta: float) -> LenbatchError:
         """The refusal: 429 or 503 per the shed mode, Retry-After the predicted excess (>= 1 s)."""
@@ -345,8 +400,8 @@ class AdaptiveGenPolicy:
             return Unavailable(msg, retry_after=retry, code="overloaded")
         return Overloaded(msg, retry_after=retry, code="overloaded")
 
-    def describe(self) -> dict[str, Any]:
-        """What `/stats` shows under `adaptive`."""
+    def describe(self, now: float = 0.0) -> dict[str, Any]:
+        """What `/stats` shows under `adaptive` (`now`: the clock, for the decision log)."""
         return {
             "ttft_slo_ms": [round(s * 1000, 1) for s in self.slo.ttft_s],
             "itl_slo_ms": round(self.slo.itl_s * 1000, 1),
@@ -354,6 +409,7 @@ class AdaptiveGenPolicy:
             "refused": self.refused,
             "shed_from_queue": self.shed,
             "costs": self.costs.describe(),
+            "decisions": self.log.summary(now),
         }
 
 

@@ -181,7 +181,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         shapes = self.decoder.shapes
         out["compile"] = shapes.graphs.stats.as_dict() if shapes else {"enabled": False}
         if self.adaptive is not None:
-            out["adaptive"] = self.adaptive.describe()
+            out["adaptive"] = self.adaptive.describe(self.clock.now())
         return out
 
     def _extra_prometheus(self) -> bytes:
@@ -274,7 +274,14 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         rows, pending_tokens, pending_rows = door_state(d.rows, d.jobs)
         queued = queued_requests(self.queues.lanes)
         return self.adaptive.refusal(
-            length, priority, max(0.0, waited), queued, pending_tokens, rows, pending_rows
+            length,
+            priority,
+            max(0.0, waited),
+            queued,
+            pending_tokens,
+            rows,
+            pending_rows,
+            now=self.clock.now(),
         )
 
     def _shed_overdue(self, now: float) -> None:

@@ -199,6 +199,7 @@ def _refused(
         pending_tokens,
         rows,
         core.pending_rows,
+        now=now,
     )
     return err is not None
 
