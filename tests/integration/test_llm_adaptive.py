@@ -174,3 +174,9 @@ def test_a_malformed_priority_is_a_4xx(served: _Served, value: str) -> None:
         served.url + "/v1/completions", json=body, headers={"X-Priority": value}, timeout=30
     )
     assert 400 <= resp.status_code < 500, resp.text
+
+
+def test_start_up_line_names_adaptive_and_its_objectives(served: _Served) -> None:
+    """The start-up log says strategy adaptive with its TTFT and inter-token objectives."""
+    line = served.engine.describe()
+    assert "strategy adaptive" in line and "TTFT 150 ms, inter-token 40 ms" in line

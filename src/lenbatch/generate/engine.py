@@ -172,7 +172,14 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
 
     def describe(self) -> str:
         """One line for the start-up log: strategy, decode mode and lanes."""
-        return f"decode {self.mode}, {super().describe()}"
+        line = f"decode {self.mode}, {super().describe()}"
+        if self.adaptive is not None:
+            # the lanes run bucketed; adaptive decides room, chunks and admission
+            slo = self.adaptive.slo
+            ttft = "/".join(f"{t * 1000:g}" for t in slo.ttft_s)
+            line = line.replace("strategy bucketed", "strategy adaptive (lanes bucketed)", 1)
+            line += f"; adaptive: TTFT {ttft} ms, inter-token {slo.itl_s * 1000:g} ms"
+        return line
 
     def _extra_stats(self) -> dict[str, Any]:
         out = self.lm.stats()
