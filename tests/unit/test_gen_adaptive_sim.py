@@ -80,3 +80,24 @@ def test_every_request_ends_once_and_streams_make_sense() -> None:
         assert o.refused == math.isnan(o.finished)
         if not o.refused:
             assert o.ttft >= 0 and o.mean_itl >= 0
+
+
+def test_simulate_generation_cli_prints_each_cap_and_adaptive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`lenbatch simulate-generation` on the bundled dev trace's completions mapping prints a
+    row per load with every cap's goodput and adaptive's; its default costs are the priors."""
+    from lenbatch.cli import build_parser
+    from lenbatch.cli import gensim as cli
+    from lenbatch.generate.adaptive import DECODE_PRIOR, PREFILL_PRIOR
+
+    assert (cli.PREFILL_DEFAULT, cli.DECODE_DEFAULT) == (PREFILL_PRIOR, DECODE_PRIOR)
+    args = build_parser().parse_args(
+        ["simulate-generation", "--duration", "30", "--loads", "2", "--caps", "8,32"]
+    )
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "| load | cap 8 | cap 32 | adaptive | refused |" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| 2x |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[3]) >= 1.5 * max(float(cells[1]), float(cells[2]))

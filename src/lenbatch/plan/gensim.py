@@ -229,3 +229,18 @@ def goodput(
     """Requests per second of `span_s` whose TTFT <= `ttft_s` and mean inter-token <= `itl_s`."""
     good = sum(1 for o in outcomes if o.ttft <= ttft_s and o.mean_itl <= itl_s)
     return good / span_s
+
+
+def requests_of(trace: Any) -> list[GenRequest]:
+    """A `plan.trace.Trace` with arrivals and output lengths as simulated requests."""
+    if trace.arrivals is None or trace.output_lengths is None:
+        raise ValueError("simulating generation needs a trace with arrivals and output lengths")
+    return [
+        GenRequest(float(a), int(n), int(o))
+        for a, n, o in zip(trace.arrivals, trace.input_lengths, trace.output_lengths, strict=True)
+    ]
+
+
+def scaled(requests: Sequence[GenRequest], factor: float) -> list[GenRequest]:
+    """The same requests with arrivals compressed `factor` times (a mean rate x `factor`)."""
+    return [GenRequest(r.arrival / factor, r.prompt, r.output, r.priority) for r in requests]
