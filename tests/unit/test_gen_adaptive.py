@@ -214,3 +214,14 @@ def test_each_refusal_and_shed_is_logged_with_its_prediction() -> None:
     assert queue.due_in == pytest.approx(-10.0)
     summary = p.describe(12.0)["decisions"]
     assert summary["totals"] == {"admission": 1, "queue": 1}
+
+
+def test_a_higher_priority_still_waits_behind_its_own_lane() -> None:
+    """A lane is FIFO whatever the levels: lower-level work queued in the request's own lane
+    counts ahead of it; in another lane it does not."""
+    p = _policy(priority_levels=2)
+    queued = _queued([400] * 5, priority=0)
+    for r in queued:
+        r.lane = 3
+    assert p.refusal(200, 1, 0.0, queued, 0, [], 0, lane=2) is None
+    assert p.refusal(200, 1, 0.0, queued, 0, [], 0, lane=3) is not None

@@ -270,15 +270,17 @@ class AdaptiveGenPolicy:
         pending_tokens: int,
         rows: list[RunningRow],
         pending_rows: int,
+        lane: int | None = None,
     ) -> float:
         """Seconds from now until a prompt of `prompt_len` tokens at `priority` gets its first
-        token: the prefill tokens ahead of it (pending jobs and queued requests at its priority
-        or above) plus its own, in chunks interleaved with decode steps, after waiting for a
-        free row when the batch is full."""
+        token: the prefill tokens ahead of it (pending jobs, queued requests at its priority or
+        above, and every request already queued in its own `lane`, which is FIFO whatever the
+        levels) plus its own, in chunks interleaved with decode steps, after waiting for a free
+        row when the batch is full."""
         ahead_tokens, ahead_rows, self._queued_seen = pending_tokens, pending_rows, 0
         for r in queued:
             self._queued_seen += 1
-            if r.priority >= priority:
+            if r.priority >= priority or (lane is not None and r.lane == lane):
                 ahead_tokens += r.length
                 ahead_rows += 1
         cap = self.row_cap()
@@ -316,15 +318,17 @@ class AdaptiveGenPolicy:
         pending_rows: int,
         *,
         now: float = 0.0,
+        lane: int | None = None,
     ) -> LenbatchError | None:
         """The 429/503 (with Retry-After) for a request predicted to miss its TTFT objective
         even so, else None; `waited` is the time it has already spent since arrival, `now`
-        the clock time for the decision log. Never refuses with shed mode `late`."""
+        the clock time for the decision log, `lane` the queue it will wait in (None: not
+        known). Never refuses with shed mode `late`."""
         if self.shed_mode is ShedMode.LATE:
             return None
         due = self.slo.ttft(priority) - waited
         eta = self.predict_first_token(
-            prompt_len, priority, queued, pending_tokens, rows, pending_rows
+            prompt_len, priority, queued, pending_tokens, rows, pending_rows, lane
         )
         if eta <= due * ADMIT_SHARE:
             return None

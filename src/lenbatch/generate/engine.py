@@ -256,7 +256,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
         if refusal is None and self.adaptive is not None:
-            refusal = self._priced_refusal(len(prompt), priority, now - (arrival or now))
+            waited = 0.0 if arrival is None else now - arrival
+            refusal = self._priced_refusal(len(prompt), priority, waited)
             if refusal is not None:
                 self.metrics.record_shed("admission")
         if refusal is not None:
@@ -289,6 +290,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             rows,
             pending_rows,
             now=self.clock.now(),
+            lane=self.queues.lane_of(length),
         )
 
     def _shed_overdue(self, now: float) -> None:

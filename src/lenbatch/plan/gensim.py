@@ -126,7 +126,8 @@ def simulate_generation(
                 out[nxt].refused = True
             else:
                 queue.append(nxt)
-                waiting[nxt] = Request(r.prompt, r.arrival, None, priority=r.priority)
+                # one FIFO: every request waits in lane 0
+                waiting[nxt] = Request(r.prompt, r.arrival, None, priority=r.priority, lane=0)
             nxt += 1
         if adaptive is not None and queue:
             for req in adaptive.overdue([waiting[i] for i in queue], now):
@@ -200,6 +201,7 @@ def _refused(
         rows,
         core.pending_rows,
         now=now,
+        lane=0,
     )
     return err is not None
 
