@@ -20,6 +20,8 @@ from lenbatch.generate import GenerationEngine
 from lenbatch.generate.api import create_llm_app
 from tests.llm_reference import PROMPTS
 
+pytestmark = pytest.mark.slow
+
 
 class _Served:
     def __init__(self, engine: GenerationEngine, url: str) -> None:
