@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import goodput
+import llm_goodput
 import tables
 from steps import ROOT, Action, Command, ServeDuring, Step, lenbatch, script
 
@@ -376,6 +377,24 @@ def llm_decode_replay(args: argparse.Namespace) -> list[Step]:
     where = " ".join(str(p.relative_to(ROOT)) for p in made)
     steps.append(show_table("llm-decode", where, lambda: tables.llm_decode_table(made)))
     return steps
+
+
+@recipe(
+    "llm-adaptive-goodput",
+    out("bench/results/llm-adaptive-goodput"),
+    opt("--start", "600", "dev trace window start, seconds"),
+    opt("--duration", "60", "seconds of trace time: the same requests for every target"),
+    opt("--overload", "1.5", "trace-rate multiplier of the capacity run, past saturation"),
+    opt("--load", "2", "mean offered rate of the comparison, as a multiple of capacity"),
+    opt("--caps", "4,8,16,32", "continuous's running caps (--max-running) to compare"),
+    opt("--repeats", "2", "replays of every target"),
+    opt("--adaptive-args", "--slo-ms 1000 --itl-slo-ms 150", "adaptive's serve flags"),
+)
+def llm_adaptive_goodput(args: argparse.Namespace) -> list[Step]:
+    """SmolLM2 completions at 2x capacity: adaptive vs continuous at several caps (issue 25)."""
+    tok, steps = tokenizer_folder("smollm2")
+    plan = llm_goodput.plan_from_args(args, SMOLLM2_TRACE, tok)
+    return [*steps, Action(plan.describe(), lambda env: llm_goodput.run_llm_goodput(plan, env))]
 
 
 # --- runners: dtype, packing, threads, live -----------------------------------------------

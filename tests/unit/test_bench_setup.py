@@ -307,7 +307,7 @@ def test_every_entry_point_is_a_documented_recipe(bench_runner: Any) -> None:
     for name in bench_runner.RECIPES:
         assert f"| `{name}` |" in readme, name
     scripts = {r.script for r in bench_runner.RECIPES.values()} - {None}
-    runner = {"run.py", "recipes.py", "steps.py", "tables.py", "goodput.py"}
+    runner = {"run.py", "recipes.py", "steps.py", "tables.py", "goodput.py", "llm_goodput.py"}
     assert {p.name for p in BENCH.glob("*.py")} - runner == scripts
     assert not list(BENCH.glob("*.sh"))
 
@@ -466,3 +466,32 @@ def test_bench_looks_the_cost_up_under_the_servers_thread_count(
     CostModel(0.02, processor=key.format(1)).save(folder / "x1.json")
     assert Path(pin_cost_spec("auto", threads=threads)).name == "x1.json"
     assert Path(pin_cost_spec("auto")).name == "x2.json"
+
+
+def test_llm_adaptive_goodput_serves_parse_and_the_table_compares_with_the_best_cap(
+    bench_runner: Any, tmp_path: Path
+) -> None:
+    """Every server and replay of `llm-adaptive-goodput` parses; the dry run names each cap
+    and adaptive; the table divides adaptive's mean goodput by the best cap's."""
+    import sys
+
+    from lenbatch.cli import build_parser
+
+    args, steps = bench_runner.plan(["--dry-run", "llm-adaptive-goodput", "--caps", "4,16"])
+    text = steps[-1].describe()
+    assert "--max-running 4" in text and "--max-running 16" in text
+    assert "--strategy adaptive --slo-ms 1000 --itl-slo-ms 150" in text
+    mod = sys.modules["llm_goodput"]
+    plan = mod.plan_from_args(args, ("azure-conv", "--endpoint", "completions"), "tok")
+    parser = build_parser()
+    for label, serve in plan.targets():
+        during = plan.run_at(label, serve, "0.5", str(tmp_path / label))
+        for cmd in (during.serve, *during.steps):
+            parser.parse_args([a.replace("{url}", "http://127.0.0.1:1") for a in cmd.args])
+    for label, good in (("continuous-cap4", 1.0), ("continuous-cap16", 2.0), ("adaptive", 3.0)):
+        summary = {"llm_goodput": {"per_s": good}, "completed": 10, "requests": 20,
+                   "rejected": 3, "ttft_p95_ms": 900.0, "itl_p95_ms": 100.0}  # fmt: skip
+        (tmp_path / f"{label}-r1.json").write_text(json.dumps(summary), encoding="utf-8")
+    table = mod.llm_goodput_table(tmp_path, [label for label, _ in plan.targets()])
+    assert "adaptive / best continuous cap: 1.50x" in table
+    assert "| continuous-cap16 | 2.00 (2.00-2.00) | 10/20 | 3 |" in table

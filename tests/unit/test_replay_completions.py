@@ -87,3 +87,15 @@ async def test_http_errors_in_completions_are_recorded() -> None:
     assert res.outcomes.tolist() == [OUTCOME_ERROR, OUTCOME_OK]
     assert res.errors[0] == "HTTP 400: fake error 400"
     assert np.isnan(res.first_token[0])
+
+
+async def test_llm_goodput_counts_fast_first_token_and_fast_tokens_only() -> None:
+    """`llm_goodput` counts answers with TTFT <= 1 s and mean inter-token <= 150 ms: a stream
+    with 50 ms gaps counts, one with 200 ms gaps does not."""
+    ep = CompletionsEndpoint()
+    bodies = [_body(ep, 4, ttft=0.1, gap=0.05), _body(ep, 4, ttft=0.1, gap=0.2)]
+    with serving(FakeServer()) as url:
+        res = await replay(url, _plan(bodies, [0.0, 0.0]), ep, progress=False)
+    s = summarize_replay(res)
+    assert s["llm_goodput"]["good"] == 1
+    assert s["llm_goodput"]["per_s"] == pytest.approx(1 / s["duration_s"])

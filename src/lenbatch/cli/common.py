@@ -108,7 +108,15 @@ def add_adaptive_options(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="MS",
         help="SLO, arrival to answer (default: 4x the predicted time of the longest input "
-        "alone, at least 100 ms; X-Request-Timeout overrides it per call)",
+        "alone, at least 100 ms; X-Request-Timeout overrides it per call); for a causal LM, "
+        "arrival to first token (default 1000)",
+    )
+    g.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        metavar="MS",
+        help="causal LMs: mean inter-token latency objective (default 150; --slo-ms is then "
+        "the time to first token, default 1000)",
     )
     g.add_argument(
         "--shed",
@@ -135,6 +143,7 @@ def adaptive_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The `adaptive` section of settings overrides from `add_adaptive_options`' flags."""
     return {
         "slo_ms": args.slo_ms,
+        "itl_slo_ms": getattr(args, "itl_slo_ms", None),
         "shed": args.shed,
         "priority_levels": args.priority_levels,
         "late_binding": False if args.no_late_binding else None,

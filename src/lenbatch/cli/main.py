@@ -16,6 +16,7 @@ COMMANDS = (
     "fit",
     "profile",
     "simulate",
+    "gensim",
     "tune",
     "replay",
     "bench",

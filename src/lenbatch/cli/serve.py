@@ -302,8 +302,6 @@ def build_model(settings: Settings, length_log: Any = None) -> Any:
 
     m = settings.model
     causal = resolve_causal_model(m.name)
-    if causal is not None and settings.batching.strategy is Strategy.ADAPTIVE:
-        raise ValueError("strategy adaptive serves embedding models; for a causal LM use bucketed")
     if causal is not None:
         app, gen_engine = _llm_app(settings, causal, length_log)
         name = settings.server.served_model_name or gen_engine.info.name
@@ -484,6 +482,7 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         settings.admission,
         settings.generation,
         length_log=length_log,
+        adaptive=settings.adaptive,
     )
     log.info(
         "model %s: context=%d chat_template=%s",

@@ -136,6 +136,9 @@ class AdaptiveConfig(BaseModel):
     """Service-level objective: arrival to answer, ms. None: derived from the cost model (four
     times the predicted time of the longest input alone, at least 100 ms). The
     `X-Request-Timeout` header overrides it per call."""
+    itl_slo_ms: float = Field(150.0, gt=0)
+    """Causal LMs: mean inter-token latency objective, ms (`slo_ms` is then the objective on
+    the time to first token, default 1000 ms). Running rows and prefill chunks fit it."""
     min_wait_ms: float = Field(0.0, ge=0)
     """Shortest wait a lane may choose to fill its batch."""
     max_wait_ms: float = Field(100.0, ge=0)

@@ -54,6 +54,15 @@ _Timeout = Annotated[
 ]
 
 
+_Priority = Annotated[
+    int | None,
+    Header(
+        description="Priority level of this call (strategy adaptive): 0 (the default) to the "
+        "server's priority_levels - 1; higher levels jump the queue of lower ones.",
+    ),
+]
+
+
 def create_llm_app(
     engine: GenerationService[Any],
     settings: Settings | None = None,
@@ -78,7 +87,10 @@ def create_llm_app(
 
     @app.post("/v1/completions")
     async def completions(
-        body: CompletionRequest, request: Request, x_request_timeout: _Timeout = None
+        body: CompletionRequest,
+        request: Request,
+        x_request_timeout: _Timeout = None,
+        x_priority: _Priority = None,
     ) -> Response:
         """OpenAI-compatible text completion; each prompt is batched by its own length."""
         arrival = accept(body)
@@ -86,12 +98,17 @@ def create_llm_app(
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
         params = body.sampling(body.max_tokens or default)
-        seqs = engine.submit_all(prompts, params, arrival=arrival, timeout=x_request_timeout)
+        seqs = engine.submit_all(
+            prompts, params, arrival=arrival, timeout=x_request_timeout, priority=x_priority or 0
+        )
         return await _respond(request, engine, seqs, body, served, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        body: ChatRequest, request: Request, x_request_timeout: _Timeout = None
+        body: ChatRequest,
+        request: Request,
+        x_request_timeout: _Timeout = None,
+        x_priority: _Priority = None,
     ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
         arrival = accept(body)
@@ -99,7 +116,9 @@ def create_llm_app(
         prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling(requested or engine.context_left(len(prompt)))
-        seqs = engine.submit_all([prompt], params, arrival=arrival, timeout=x_request_timeout)
+        seqs = engine.submit_all(
+            [prompt], params, arrival=arrival, timeout=x_request_timeout, priority=x_priority or 0
+        )
         return await _respond(request, engine, seqs, body, served, chat=True)
 
     if tokenizer is not None:

@@ -28,17 +28,30 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lenbatch.config import AdmissionConfig, BatchingConfig, DecodeMode, GenerationConfig
+from lenbatch.config import (
+    AdaptiveConfig,
+    AdmissionConfig,
+    BatchingConfig,
+    DecodeMode,
+    GenerationConfig,
+    Strategy,
+)
 from lenbatch.core.clock import Clock
-from lenbatch.core.errors import InputTooLong, LenbatchError
+from lenbatch.core.errors import BadInput, InputTooLong, LenbatchError
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
+from lenbatch.generate.adaptive import (
+    AdaptiveGenPolicy,
+    GenCosts,
+    door_state,
+    queued_requests,
+)
 from lenbatch.generate.decode import Decoder, UnitResult
 from lenbatch.generate.failures import Recovery, recover
 from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.metrics import LMMetrics
-from lenbatch.generate.policy import Unit, make_policy
+from lenbatch.generate.policy import DecodePolicy, Unit, make_policy
 from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.generate.shapes import make_fixed_shapes
 from lenbatch.generate.streams import open_generation, ticket_of
@@ -77,6 +90,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         clock: Clock | None = None,
         length_log: LengthLog | None = None,
         fixed_shapes: bool | None = None,
+        adaptive: AdaptiveConfig | None = None,
     ) -> None:
         self.runner = runner
         self.info = runner.info
@@ -87,17 +101,31 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         lanes = resolve_lanes(self.batching, self.prompt_limit)
         # One prefill batch in flight at a time: prefill jobs run one after another anyway.
         lanes = dataclasses.replace(lanes, cfg=dataclasses.replace(lanes.cfg, slots=1))
-        self.mode = self.generation.mode.value
+        label = lanes.cfg.strategy.value
+        is_adaptive = lanes.cfg.strategy is Strategy.ADAPTIVE
+        self.adaptive: AdaptiveGenPolicy | None = None
+        if is_adaptive:
+            # generate.adaptive decides admission; the queues and the scheduler run bucketed.
+            lanes = dataclasses.replace(
+                lanes, cfg=dataclasses.replace(lanes.cfg, strategy=Strategy.BUCKETED)
+            )
+        # adaptive decodes continuously whatever `generation.mode` says
+        self.mode = "continuous" if is_adaptive else self.generation.mode.value
         super().__init__(
             lanes,
             admission,
             clock,
-            metrics_label=f"{lanes.cfg.strategy.value}+{self.mode}",
+            metrics_label=f"{label}+{self.mode}",
             workers=1,
             name="lenbatch-decode",
             length_log=length_log,
         )
-        self.policy = make_policy(self.generation, self.batching.max_batch)
+        self.policy: DecodePolicy = make_policy(self.generation, self.batching.max_batch)
+        if is_adaptive:
+            acfg = adaptive or AdaptiveConfig()
+            costs = GenCosts(self.info.name, acfg.cost_window)
+            self.adaptive = AdaptiveGenPolicy(self.generation, acfg, costs)
+            self.policy = self.adaptive
         self.prompts = Prompts(runner, self.info, self.generation)
         self.lm = LMMetrics()
         # Fixed shapes follow `generation.compile`; `fixed_shapes=True` runs them eager (to
@@ -144,7 +172,14 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
 
     def describe(self) -> str:
         """One line for the start-up log: strategy, decode mode and lanes."""
-        return f"decode {self.mode}, {super().describe()}"
+        line = f"decode {self.mode}, {super().describe()}"
+        if self.adaptive is not None:
+            # the lanes run bucketed; adaptive decides room, chunks and admission
+            slo = self.adaptive.slo
+            ttft = "/".join(f"{t * 1000:g}" for t in slo.ttft_s)
+            line = line.replace("strategy bucketed", "strategy adaptive (lanes bucketed)", 1)
+            line += f"; adaptive: TTFT {ttft} ms, inter-token {slo.itl_s * 1000:g} ms"
+        return line
 
     def _extra_stats(self) -> dict[str, Any]:
         out = self.lm.stats()
@@ -152,6 +187,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         out["preempted_rows"] = self.decoder.preempted
         shapes = self.decoder.shapes
         out["compile"] = shapes.graphs.stats.as_dict() if shapes else {"enabled": False}
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.describe(self.clock.now())
         return out
 
     def _extra_prometheus(self) -> bytes:
@@ -176,6 +213,15 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         priority: int = 0,
     ) -> list[Generation]:
         """Queue every prompt of one call; if one is refused, withdraw the others."""
+        levels = self.adaptive.slo.levels if self.adaptive is not None else 1
+        if isinstance(priority, bool) or not 0 <= priority < levels:
+            allowed = (
+                "0 (this server has one priority level: strategy adaptive with "
+                "--priority-levels N has more)"
+                if levels == 1
+                else f"an integer in [0, {levels - 1}] (higher runs first)"
+            )
+            raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
         gens: list[Generation] = []
         try:
             for p in prompts:
@@ -209,6 +255,11 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             raise
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
+        if refusal is None and self.adaptive is not None:
+            waited = 0.0 if arrival is None else now - arrival
+            refusal = self._priced_refusal(len(prompt), priority, waited)
+            if refusal is not None:
+                self.metrics.record_shed("admission")
         if refusal is not None:
             self.metrics.record_rejection(refusal.code)
             raise refusal
@@ -224,6 +275,35 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         self._kick()
         return gen
 
+    def _priced_refusal(self, length: int, priority: int, waited: float) -> LenbatchError | None:
+        """adaptive: the refusal of a prompt predicted to miss its TTFT objective, or None."""
+        assert self.adaptive is not None
+        d = self.decoder
+        rows, pending_tokens, pending_rows = door_state(d.rows, d.jobs)
+        queued = queued_requests(self.queues.lanes)
+        return self.adaptive.refusal(
+            length,
+            priority,
+            max(0.0, waited),
+            queued,
+            pending_tokens,
+            rows,
+            pending_rows,
+            now=self.clock.now(),
+            lane=self.queues.lane_of(length),
+        )
+
+    def _shed_overdue(self, now: float) -> None:
+        """adaptive: end the queued requests that can no longer make their first token in time
+        (429/503 with Retry-After, through the ledger), so those behind them can."""
+        assert self.adaptive is not None
+        for r in self.adaptive.overdue(queued_requests(self.queues.lanes), now):
+            self.queues.remove(r)
+            late_by = now - (r.arrival + self.adaptive.slo.ttft(r.priority))
+            err = self.adaptive.overloaded(max(late_by, 0.0), 0.0, now - r.arrival)
+            self.metrics.record_shed("queue")
+            self.ledger.shed(ticket_of(r.handle), err)
+
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
@@ -237,14 +317,21 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 self._publish_state()
                 await self._sleep_until_woken(scheduled.wake_at)
                 continue
+            started = self.clock.now()
             executed = await self._execute(scheduled.unit)
             last = executed.kind if isinstance(executed, UnitResult) else None
             self._update(executed)
+            if self.adaptive is not None and isinstance(executed, UnitResult):
+                # the whole turn (thread hand-off, delivery, HTTP on the same cores) is what a
+                # stream sees between tokens: it keeps the cost models honest
+                self.adaptive.costs.observe(executed, self.clock.now() - started)
 
     def _schedule(self, last: str | None) -> Scheduled:
         """Admit prefill batches if the decode policy has room; pick the next unit."""
         wake_at = None
         room = self.policy.capacity(self.decoder)
+        if self.adaptive is not None and self.queues.size > 0:
+            self._shed_overdue(self.clock.now())
         if room > 0 and self.queues.size > 0:
             cfg = self.cfg
             if any(p.max_batch > room for p in cfg.lanes):

@@ -14,7 +14,11 @@ import numpy as np
 from lenbatch.plan.summary import OUTCOME_OK, summarize
 from lenbatch.plan.trace import FloatArray, IntArray
 
-__all__ = ["ReplayResult", "summarize_replay"]
+__all__ = ["LLM_GOOD_ITL_S", "LLM_GOOD_TTFT_S", "ReplayResult", "summarize_replay"]
+
+# What a streamed completion must meet to count in `llm_goodput`.
+LLM_GOOD_TTFT_S = 1.0
+LLM_GOOD_ITL_S = 0.150
 
 
 @dataclass
@@ -225,4 +229,17 @@ def summarize_replay(
             output_tokens=total_out,
             output_tokens_per_s=total_out / dur if dur > 0 else 0.0,
         )
+        # A generation server's goodput (the bar of strategy adaptive for causal LMs): answers
+        # whose first token came within 1 s and whose later tokens came 150 ms apart on average.
+        n_out = result.output_tokens
+        gaps = np.where(
+            n_out > 1, (result.done - result.first_token) / np.maximum(n_out - 1, 1), 0.0
+        )
+        good = int((ok & (ttft <= LLM_GOOD_TTFT_S) & (gaps <= LLM_GOOD_ITL_S)).sum())
+        summary["llm_goodput"] = {
+            "ttft_s": LLM_GOOD_TTFT_S,
+            "mean_itl_s": LLM_GOOD_ITL_S,
+            "good": good,
+            "per_s": good / dur if dur > 0 else 0.0,
+        }
     return summary

@@ -1,0 +1,184 @@
+"""Strategy adaptive serving a tiny random Llama on loopback: it serves and streams, sheds an
+overload burst with 429 + Retry-After, frees the row of a client that leaves mid-stream, and
+ends every admitted request exactly once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from lenbatch.config import AdaptiveConfig, BatchingConfig, GenerationConfig, Settings
+from lenbatch.generate import GenerationEngine
+from lenbatch.generate.api import create_llm_app
+from tests.llm_reference import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+
+class _Served:
+    def __init__(self, engine: GenerationEngine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+
+
+@pytest.fixture(scope="module")
+def served(llama_runner: Any) -> Iterator[_Served]:
+    """The tiny Llama behind uvicorn with strategy adaptive: TTFT 150 ms, inter-token 40 ms
+    (tight, so that a burst of a few dozen streams overloads it)."""
+    settings = Settings.model_validate({"model": {"name": "tiny-llama"}})
+    engine = GenerationEngine(
+        llama_runner,
+        BatchingConfig(strategy="adaptive", boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
+        generation=GenerationConfig(default_max_tokens=16, max_running=16),
+        adaptive=AdaptiveConfig(slo_ms=150, itl_slo_ms=40),
+    )
+    app = create_llm_app(engine, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield _Served(engine, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _stream(url: str, prompt: str, max_tokens: int) -> tuple[int, str | None, int, bool]:
+    """One streamed completion: status, Retry-After, content chunks, whether [DONE] came.
+    A stream shed from the queue after its status line (an `overloaded` error event) counts
+    as status 429 without Retry-After; any other error event fails the test."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    chunks, done = 0, False
+    with (
+        httpx.Client(base_url=url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, resp.headers.get("retry-after"), 0, False
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                assert event["error"]["code"] == "overloaded", event
+                return 429, None, chunks, False
+            if event["choices"] and event["choices"][0].get("text"):
+                chunks += 1
+    return 200, None, chunks, done
+
+
+def _settle(engine: GenerationEngine) -> None:
+    deadline = time.monotonic() + 60
+    while (engine.unanswered or engine.decoder.running_rows) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_adaptive_serves_and_streams(served: _Served) -> None:
+    """At a light load every request is served, streamed to its last token."""
+    for prompt in PROMPTS[:4]:
+        status, _, chunks, done = _stream(served.url, prompt, 12)
+        assert status == 200 and done
+        assert chunks >= 1
+    stats = httpx.get(served.url + "/stats", timeout=10).json()
+    assert stats["adaptive"]["costs"]["decode_step"]["observed_batches"] > 0
+    assert stats["adaptive"]["refused"] == 0
+
+
+def test_overload_burst_is_shed_with_retry_after_and_nothing_is_lost(served: _Served) -> None:
+    """A burst of 64 streams at once, far past what the objectives allow: some are refused
+    429 with Retry-After, the rest stream to [DONE]; every admitted request ends once."""
+    engine = served.engine
+    _settle(engine)
+    before = dict(engine.stats()["requests"])
+    n, max_tokens = 64, 48
+    prompts = [PROMPTS[i % len(PROMPTS)] * 3 for i in range(n)]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = list(pool.map(lambda p: _stream(served.url, p, max_tokens), prompts))
+    refused = [r for r in results if r[0] == 429 and r[1] is not None]
+    shed_in_queue = [r for r in results if r[0] == 429 and r[1] is None]
+    ok = [r for r in results if r[0] == 200]
+    assert refused, "no request was refused at the door under a 64-stream burst"
+    assert all(float(r[1]) >= 1 for r in refused if r[1] is not None)
+    # the door prices what it admits: most refusals come from it, not from the queue
+    assert len(shed_in_queue) <= len(refused)
+    assert ok, "adaptive served nothing of the burst"
+    assert all(r[3] for r in ok)  # every admitted stream reached [DONE]
+    assert len(ok) + len(refused) + len(shed_in_queue) == n
+    _settle(engine)
+    assert engine.unanswered == 0
+    after = engine.stats()["requests"]
+    ended = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    # every admitted request ended once: ok, or shed from the queue
+    assert ended.get("ok", 0) == len(ok)
+    assert ended.get("shed", 0) == len(shed_in_queue)
+    assert ended.get("error", 0) == 0 and ended.get("expired", 0) == 0
+    decisions = httpx.get(served.url + "/stats", timeout=10).json()["adaptive"]["decisions"]
+    assert decisions["totals"]["admission"] >= len(refused)
+
+
+def test_client_that_leaves_mid_stream_frees_its_row(served: _Served) -> None:
+    """A stream closed after its first event leaves the running batch; nothing stays open."""
+    engine = served.engine
+    _settle(engine)
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break
+    _settle(engine)
+    assert engine.decoder.running_rows == 0
+    assert engine.unanswered == 0
+
+
+def test_a_priority_out_of_range_is_a_400_naming_the_range(served: _Served) -> None:
+    """X-Priority beyond the server's levels is refused with 400 `invalid_priority`."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    resp = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": "3"}, timeout=30
+    )
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_priority" and "one priority level" in err["message"]
+    ok = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": "0"}, timeout=30
+    )
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1e3", "99999999999999999999999"])
+def test_a_malformed_priority_is_a_4xx(served: _Served, value: str) -> None:
+    """Whatever the X-Priority header holds, the answer is a 4xx, never a 5xx."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    resp = httpx.post(
+        served.url + "/v1/completions", json=body, headers={"X-Priority": value}, timeout=30
+    )
+    assert 400 <= resp.status_code < 500, resp.text
+
+
+def test_start_up_line_names_adaptive_and_its_objectives(served: _Served) -> None:
+    """The start-up log says strategy adaptive with its TTFT and inter-token objectives."""
+    line = served.engine.describe()
+    assert "strategy adaptive" in line and "TTFT 150 ms, inter-token 40 ms" in line
