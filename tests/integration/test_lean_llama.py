@@ -61,9 +61,22 @@ def test_lean_fp32_greedy_equals_generate(tiny_llama_dir: Path, pack: bool) -> N
 
 
 @pytest.mark.slow
-def test_lean_logits_match_transformers_batched(tiny_llama_dir: Path) -> None:
-    """A left-padded prefill and a decode step give transformers' logits (fp32)."""
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_lean_logits_match_transformers_batched(
+    tiny_llama_dir: Path, attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A left-padded prefill and a decode step give transformers' logits (fp32), with the
+    decode-attention op where this CPU builds it and with the SDPA fallback forced."""
+    from lenbatch.runners import decode_attention
+
+    monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", attention)
+    monkeypatch.setattr(decode_attention, "_loaded", {})
     lean = CausalLMRunner(tiny_llama_dir, name="tiny-llama", pack=False)
+    assert lean.lean is not None
+    if attention == "sdpa":
+        assert lean.lean.kernel is None
+    elif decode_attention.kernel_unavailable() is None:
+        assert lean.lean.kernel is not None
     hf = CausalLMRunner(tiny_llama_dir, name="tiny-llama", lean=False)
     ids = torch.tensor([[2, 2, 5, 9, 11, 40], [7, 8, 9, 10, 11, 12]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

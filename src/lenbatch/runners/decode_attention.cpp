@@ -1,0 +1,221 @@
+// One decode step's attention over a KV window, reading only each row's real columns.
+//
+// Built just in time by lenbatch/runners/decode_attention.py (torch.utils.cpp_extension.load,
+// -O3 -march=native -ffast-math), only on a CPU with AVX-512. Why a kernel: torch's CPU
+// attention runs a decode step as rows x kv_heads tiny problems and reads every padded column;
+// this loop reads each real key and value once per (row, key/value head), for all the query
+// heads that share it, and skips the padding.
+//
+// q      [rows, kv_heads * group, head_dim]          (contiguous)
+// keys   [rows, kv_heads, width, head_dim]           (any strides, head_dim contiguous)
+// values [rows, kv_heads, width, head_dim]           (same)
+// mask   [rows, width] bool                          (true = attend)
+// out    [rows, kv_heads * group, head_dim]          (q's dtype)
+//
+// Scores, softmax and the weighted sum are float32, as torch's bfloat16 attention accumulates.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// 16 values as float32: bfloat16 is the top half of a float32, so widening is a shift.
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+constexpr int64_t kMaxVectors = 32;  // group x head_dim / 16 kept in registers (or close)
+
+// The same computation as `attend_task` below with explicit 512-bit vectors, for a head_dim
+// that is a multiple of 16 and a group small enough to keep every query in registers.
+template <typename T>
+void attend_task_avx512(const T* qrow, const T* kbase, int64_t ks2, const T* vbase, int64_t vs2,
+                        const std::vector<int32_t>& cols, int64_t group, int64_t head_dim,
+                        float scale, std::vector<float>& scores, T* orow) {
+  const int64_t nv = head_dim / 16, n = static_cast<int64_t>(cols.size());
+  __m512 qv[kMaxVectors], acc[kMaxVectors], kv[kMaxVectors];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t v = 0; v < nv; ++v)
+      qv[g * nv + v] = _mm512_mul_ps(load16(qrow + g * head_dim + v * 16), vscale);
+  scores.resize(group * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* krow = kbase + cols[j] * ks2;
+    for (int64_t v = 0; v < nv; ++v) kv[v] = load16(krow + v * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g * nv], kv[0]);
+      for (int64_t v = 1; v < nv; ++v) a = _mm512_fmadd_ps(qv[g * nv + v], kv[v], a);
+      scores[g * n + j] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - top);
+      total += sg[j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  for (int64_t i = 0; i < group * nv; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vrow = vbase + cols[j] * vs2;
+    for (int64_t v = 0; v < nv; ++v) kv[v] = load16(vrow + v * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + j]);
+      for (int64_t v = 0; v < nv; ++v)
+        acc[g * nv + v] = _mm512_fmadd_ps(p, kv[v], acc[g * nv + v]);
+    }
+  }
+  alignas(64) float lane[16];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t v = 0; v < nv; ++v) {
+      _mm512_store_ps(lane, acc[g * nv + v]);
+      T* dst = orow + g * head_dim + v * 16;
+      for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(lane[i]);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                 const at::Tensor& mask, double scale, at::Tensor& out) {
+  const int64_t rows = keys.size(0), kv_heads = keys.size(1), width = keys.size(2);
+  const int64_t head_dim = keys.size(3);
+  const int64_t group = q.size(1) / kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const bool* mp = mask.data_ptr<bool>();
+  T* op = out.data_ptr<T>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+  const int64_t ms0 = mask.stride(0), ms1 = mask.stride(1);
+  const float fscale = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  const bool fast = head_dim % 16 == 0 && (head_dim / 16) * std::max<int64_t>(group, 1) <= kMaxVectors;
+#endif
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), kf(head_dim);
+    std::vector<float> scores;
+    std::vector<int32_t> cols;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const bool* mrow = mp + r * ms0;
+      cols.clear();
+      for (int64_t c = 0; c < width; ++c) {
+        if (mrow[c * ms1]) cols.push_back(static_cast<int32_t>(c));
+      }
+      const int64_t n = static_cast<int64_t>(cols.size());
+      T* orow = op + (r * kv_heads + h) * group * head_dim;
+      if (n == 0) {  // nothing to attend to: zeros (a padding row's output is unused)
+        std::fill(orow, orow + group * head_dim, T(0));
+        continue;
+      }
+      const T* qrow = qp + (r * kv_heads + h) * group * head_dim;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        if (fast) {
+          attend_task_avx512<T>(qrow, kp + r * ks0 + h * ks1, ks2, vp + r * vs0 + h * vs1, vs2, cols,
+                                group, head_dim, fscale, scores, orow);
+          continue;
+        }
+      }
+#endif
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qrow[i]) * fscale;
+      scores.resize(group * n);
+      const T* kbase = kp + r * ks0 + h * ks1;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* krow = kbase + cols[j] * ks2;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(krow[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kf[d];
+          scores[g * n + j] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - top);
+          total += sg[j];
+        }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const T* vbase = vp + r * vs0 + h * vs1;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* vrow = vbase + cols[j] * vs2;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(vrow[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + j];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * kf[d];
+        }
+      }
+      for (int64_t i = 0; i < group * head_dim; ++i) orow[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 2,
+              "decode_attention: q [rows, heads, dim], keys/values [rows, kv, width, dim], "
+              "mask [rows, width]");
+  TORCH_CHECK(q.is_contiguous(), "decode_attention: q must be contiguous");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1,
+              "decode_attention: keys and values need a contiguous last dimension");
+  TORCH_CHECK(keys.sizes() == values.sizes(), "decode_attention: keys and values differ in shape");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "decode_attention: mask must be bool");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "decode_attention: q, keys and values must share a dtype");
+  TORCH_CHECK(q.size(0) == keys.size(0) && mask.size(0) == keys.size(0) &&
+                  mask.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
+                  q.size(1) % keys.size(1) == 0,
+              "decode_attention: shapes do not match");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+    attend_rows<scalar_t>(q, keys, values, mask, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Decode-step attention over each row's real columns (q [rows, heads, dim])");
+}

@@ -1,0 +1,113 @@
+"""A decode step's attention that reads only each row's real columns (a small C++ op).
+
+`decode_attention(q, keys, values, mask, scale)` computes, for one query per row, attention
+over the KV window's columns that `mask` marks real, for every query head of a key/value head
+at once (grouped-query attention), in float32 whatever the input dtype. The op
+(`decode_attention.cpp`) is built just in time with `torch.utils.cpp_extension.load` the first
+time it is asked for, with `-O3 -march=native`, into a folder inside the running venv
+(`<sys.prefix>/lenbatch-ext/`), keyed by torch's version, the source's hash and the CPU's
+flags, so a second start loads it in milliseconds and another CPU builds its own.
+
+It is used only where it can be: an x86 CPU with AVX-512 (`avx512f` in `/proc/cpuinfo`: a Zen 3
+has none), a C++ compiler, and a build that succeeds. Anything else falls back to
+`F.scaled_dot_product_attention` (the caller's path) with one line in the log saying why.
+`LENBATCH_DECODE_ATTENTION=sdpa` forces the fallback (tests use it); `=kernel` requires the op
+and raises where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lenbatch.runners.hardware import cpu_flags
+
+__all__ = ["decode_attention_op", "kernel_unavailable"]
+
+log = logging.getLogger("lenbatch.runner")
+
+_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_ENV = "LENBATCH_DECODE_ATTENTION"
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def kernel_unavailable() -> str | None:
+    """Why the op cannot be used on this machine (None when it can be built and run)."""
+    choice = os.environ.get(_ENV, "auto").strip().lower()
+    if choice == "sdpa":
+        return f"{_ENV}=sdpa"
+    if choice not in ("auto", "kernel"):
+        return f"{_ENV}={choice!r} (expected auto, kernel or sdpa)"
+    if "avx512f" not in cpu_flags():
+        return "this CPU has no AVX-512"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler"
+    if _ninja() is None:
+        return "no ninja (pip install ninja)"
+    if not _SOURCE.exists():
+        return f"{_SOURCE.name} is missing"
+    return None
+
+
+def _ninja() -> str | None:
+    """The ninja that cpp_extension will run: on PATH, else the venv's own (the `ninja`
+    dependency installs it beside this Python, which is not on PATH outside an activated venv)."""
+    return shutil.which("ninja") or shutil.which("ninja", path=str(Path(sys.executable).parent))
+
+
+def _build_dir(name: str) -> Path:
+    folder = Path(sys.prefix) / "lenbatch-ext" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _build() -> Any:
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    source = _SOURCE.read_bytes()
+    flags = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
+    name = f"lenbatch_decode_attention_{key}"
+    return load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_build_dir(name)),
+        verbose=False,
+    )
+
+
+def decode_attention_op() -> Any | None:
+    """The built op (`op.decode_attention(q, keys, values, mask, scale)`), or None where it
+    cannot be used here (logged once). Builds on the first call (tens of seconds), then loads
+    from the venv's cache."""
+    with _lock:
+        if "op" in _loaded:
+            return _loaded["op"]
+        why = kernel_unavailable()
+        op: Any | None = None
+        if why is None:
+            try:
+                op = _build()
+            except Exception as exc:  # a failed build falls back; the log says why
+                if os.environ.get(_ENV, "").strip().lower() == "kernel":
+                    raise
+                why = f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        if op is None:
+            log.info("decode attention: torch SDPA (%s)", why)
+        else:
+            log.info("decode attention: C++ kernel over real columns (AVX-512, built for this CPU)")
+        _loaded["op"] = op
+        return op

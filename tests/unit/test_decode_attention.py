@@ -1,0 +1,89 @@
+"""The decode-attention op (`runners/decode_attention.py`) against torch's SDPA.
+
+The reference is `F.scaled_dot_product_attention` in float32 on the same inputs, with the
+boolean mask over the whole window; the op must give the same output while reading only the
+columns the mask marks real. Both of the op's paths run: 512-bit vectors (head_dim a multiple
+of 16) and the plain loop (head_dim 24).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners import decode_attention as da
+from lenbatch.runners.hardware import cpu_flags
+
+AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
+
+
+def test_builds_where_the_cpu_allows_and_says_why_not_elsewhere() -> None:
+    """On an AVX-512 CPU with a compiler the op builds; elsewhere the reason is named."""
+    why = da.kernel_unavailable()
+    if AVX512:
+        assert why is None
+        assert da.decode_attention_op() is not None
+    else:
+        assert why is not None
+        assert da.decode_attention_op() is None
+
+
+def test_forced_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LENBATCH_DECODE_ATTENTION=sdpa gives no op (the caller then runs SDPA)."""
+    monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", "sdpa")
+    monkeypatch.setattr(da, "_loaded", {})
+    assert da.kernel_unavailable() == "LENBATCH_DECODE_ATTENTION=sdpa"
+    assert da.decode_attention_op() is None
+    monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", "fast")
+    assert "expected auto, kernel or sdpa" in str(da.kernel_unavailable())
+
+
+def _case(rows: int, kv: int, group: int, dim: int, width: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, kv * group, dim, generator=gen).to(dtype)
+    # keys/values as a window view into a wider buffer, as the KV cache hands them over
+    kbuf = torch.randn(rows, kv, width + 7, dim, generator=gen).to(dtype)
+    vbuf = torch.randn(rows, kv, width + 7, dim, generator=gen).to(dtype)
+    keys, values = kbuf[:, :, 7:], vbuf[:, :, 7:]
+    lens = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = torch.arange(width)[None] >= (width - lens)[:, None]  # left padding
+    holes = torch.rand(rows, width, generator=gen) < 0.1
+    mask &= ~holes  # and a few masked columns inside, as a finished prompt's padding leaves
+    mask[:, -1] = True  # the query's own column is always real
+    return q, keys, values, mask
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("group", [3, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_sdpa(dim: int, group: int, dtype: torch.dtype) -> None:
+    """Same output as float32 SDPA over the masked window: 1e-5 in float32; bfloat16 within
+    its rounding of inputs and output."""
+    op = da.decode_attention_op()
+    assert op is not None
+    rows, kv, width = 9, 2, 70
+    q, keys, values, mask = _case(rows, kv, group, dim, width, dtype, seed=dim + group)
+    scale = dim**-0.5
+    got = op.decode_attention(q, keys, values, mask, scale).float()
+    ref = F.scaled_dot_product_attention(
+        q.float().view(rows, kv, group, dim),
+        keys.float(),
+        values.float(),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    ).reshape(rows, kv * group, dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+def test_rejects_mismatched_shapes() -> None:
+    """A wrong mask width is an error, not a read past the window."""
+    op = da.decode_attention_op()
+    q, keys, values, mask = _case(2, 1, 1, 16, 10, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op.decode_attention(q, keys, values, mask[:, :9], 0.25)
