@@ -49,3 +49,17 @@ def test_plain_is_forced_by_the_environment_and_used_off_cpu(
     w, b, x = _case(5, torch.float32)
     lin = Linear(w, b, torch.float32, "plain", "gelu")
     assert torch.equal(lin(x), F.gelu(F.linear(x, w, b)))
+
+
+def test_packed_row_counts_are_rounded_to_few_shapes() -> None:
+    """The packed stream's row count: never below the tokens, at most 1/16 above them past
+    128 tokens, and few distinct counts (each is a oneDNN kernel in the per-shape cache)."""
+    from lenbatch.runners.packed import rounded_tokens
+
+    counts = {rounded_tokens(n) for n in range(1, 8193)}
+    for n in range(1, 8193):
+        r = rounded_tokens(n)
+        assert r >= n
+        assert r - n < 8 or (n > 128 and (r - n) * 16 <= n)
+    assert len(counts) <= 128
+    assert rounded_tokens(1000) == 1024 and rounded_tokens(8) == 8

@@ -33,7 +33,7 @@ from lenbatch.runners.encoder import EncoderRunner
 from lenbatch.runners.linears import Linear, linear_kind
 from lenbatch.runners.memory import current_rss
 
-__all__ = ["PackedEncoderRunner", "supports_packing"]
+__all__ = ["PackedEncoderRunner", "rounded_tokens", "supports_packing"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -170,14 +170,18 @@ class PackedEncoderRunner(EncoderRunner):
             types = self._types(torch.from_numpy(batch.token_type_ids).to(dev))
         x = self._word(ids) + self._pos(pos) + types
         x = self._emb_norm(x)
-        attend = _Attention(batch, dev, self._mm_dtype)
+        tokens = x.shape[0]
+        rounded = rounded_tokens(tokens)
+        if rounded != tokens:  # zero rows: finite through every layer, dropped at the end
+            x = F.pad(x, (0, 0, 0, rounded - tokens))
+        attend = _Attention(batch, dev, self._mm_dtype, rounded)
         for layer in self._layers:
             # One expression per sub-block, so no intermediate outlives its use (peak memory).
             ctx = attend(layer.qkv(x), layer.heads, layer.head_dim)
             x = layer.attn_norm(layer.attn_out(ctx).float() + x)
             del ctx
             x = layer.out_norm(layer.down(layer.act(layer.up(x))).float() + x)
-        hidden: torch.Tensor = x
+        hidden: torch.Tensor = x[:tokens]
         return hidden
 
     def _pool_packed(self, x: torch.Tensor, batch: Packed) -> torch.Tensor:
@@ -195,11 +199,24 @@ class PackedEncoderRunner(EncoderRunner):
         return out.index_add_(0, rows, x) / lengths
 
 
+def rounded_tokens(tokens: int) -> int:
+    """`tokens` rounded up to one of 16 steps per power of two (at least 8): the row count
+    the packed stream's matrix products see. Why: every distinct row count is a new oneDNN
+    kernel in its per-shape cache, and the trace's batches have thousands of distinct token
+    counts (resident memory grew with them); rounded, there are a few hundred, for at most
+    1/16 more rows."""
+    step = max(8, 1 << max(0, tokens.bit_length() - 5))
+    return -(-tokens // step) * step
+
+
 class _Attention:
     """Self-attention over a packed batch: packed Q/K/V in, packed context out."""
 
-    def __init__(self, batch: Packed, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, batch: Packed, device: torch.device, dtype: torch.dtype, rounded: int
+    ) -> None:
         self.rows, self.width, self.tokens = batch.rows, batch.width, batch.real_tokens
+        self.rounded = rounded  # rows of the packed stream (the real tokens, then zero rows)
         self.uniform = batch.uniform
         self.dtype = dtype
         self.slots: torch.Tensor | None = None
@@ -213,6 +230,7 @@ class _Attention:
 
     def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
         hidden = heads * head_dim
+        qkv = qkv[: self.tokens]
         if self.uniform:
             rows = qkv.view(self.rows, self.width, 3, heads, head_dim)
         else:
@@ -223,4 +241,9 @@ class _Attention:
         q, k, v = rows.permute(2, 0, 3, 1, 4).unbind(0)  # each [rows, heads, width, head_dim]
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
         ctx = ctx.transpose(1, 2).reshape(self.rows * self.width, hidden)
-        return ctx if self.slots is None else ctx[self.slots]
+        out = ctx if self.slots is None else ctx[self.slots]
+        return (
+            out
+            if self.rounded == self.tokens
+            else F.pad(out, (0, 0, 0, self.rounded - out.shape[0]))
+        )
