@@ -154,6 +154,27 @@ def command(server: str, folder: Path, port: int, max_batch: int, extra: list[st
     raise SystemExit(f"unknown server {server!r}; choose from {', '.join(SERVERS)}")
 
 
+def peer_env(server: str) -> dict[str, str]:
+    """The environment the bench's vLLM peer gets (`replay.peers.vllm`): a fixed 1 GiB KV
+    space (without it vLLM CPU reserves 92 % of the memory node at start and refuses to start
+    when less is free), tcmalloc and Intel OpenMP preloaded, model threads on every core."""
+    if server != "vllm":
+        return {}
+    from lenbatch.replay.peers.external import first_existing, peers_dir
+    from lenbatch.replay.peers.vllm import _TCMALLOC
+
+    preload = [str(p) for p in (first_existing(_TCMALLOC),) if p is not None]
+    iomp = peers_dir() / "vllm" / "lib" / "libiomp5.so"
+    if iomp.exists():
+        preload.append(str(iomp))
+    cpus = len(os.sched_getaffinity(0))
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "LD_PRELOAD": ":".join(preload),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(cpus, 1) - 1}",
+    }
+
+
 def ensure_peer(server: str) -> None:
     """Install Infinity's or vLLM's venv on first use (the bench's own pins)."""
     from lenbatch.replay.peers.external import PeerVenv
@@ -297,7 +318,7 @@ def rerank_part(args: argparse.Namespace, folder: Path) -> list[Run]:
         extra = ["--truncate", *args.serve_args.split()] if server == "lenbatch" else []
         argv = command(server, folder, port, args.max_batch, extra)
         print("starting", " ".join(argv), flush=True)
-        with Server(argv, port) as srv:
+        with Server(argv, port, peer_env(server)) as srv:
             for k, rate in enumerate(float(r) for r in args.rates.split(",")):
                 n = max(4, int(rate * args.duration))
                 bodies = calls(n, args.seed + k, queries, docs)
@@ -312,6 +333,7 @@ def rerank_part(args: argparse.Namespace, folder: Path) -> list[Run]:
                                 count_tokens(folder, bodies))  # fmt: skip
                 print(run, flush=True)
                 runs.append(run)
+                write_report(args, runs, None)  # what is measured so far survives a crash
     return runs
 
 
@@ -490,13 +512,19 @@ def main(argv: list[str] | None = None) -> int:
         folder = default_folder(folder)
     runs = rerank_part(args, folder) if "rerank" in parts else []
     two = two_models_part(args, folder) if "two-models" in parts else None
+    out = write_report(args, runs, two)
+    print((out / "report.md").read_text(encoding="utf-8"))
+    return 0
+
+
+def write_report(args: argparse.Namespace, runs: list[Run], two: dict[str, Any] | None) -> Path:
+    """report.md and report.json in `--out` (rewritten after every run)."""
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown(args, runs, two), encoding="utf-8")
     data = {"runs": [asdict(r) for r in runs], "two_models": two, "argv": sys.argv[1:]}
     (out / "report.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
-    print((out / "report.md").read_text(encoding="utf-8"))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
