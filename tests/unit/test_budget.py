@@ -111,3 +111,22 @@ def test_free_slots_do_not_wait() -> None:
 def test_slots_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ComputeBudget(slots=0)
+
+
+def test_describe_reports_each_models_turn_waits() -> None:
+    """/stats carries the P95 wait for a turn per model: the reranker's turn ran 0.3 s while
+    the embedder's turn waited, the reranker's own turn did not wait."""
+
+    async def go() -> dict[str, object]:
+        clock = _Clock()
+        budget = ComputeBudget(slots=1, clock=clock)
+        first = await budget.acquire(owner="reranker")
+        waiting = asyncio.create_task(budget.acquire(owner="embedder"))
+        await asyncio.sleep(0)
+        clock.t += 0.3
+        budget.release(first)
+        budget.release(await waiting)
+        return budget.describe()
+
+    waits = asyncio.run(go())["wait_p95_ms_by_model"]
+    assert waits == {"reranker": 0.0, "embedder": 300.0}

@@ -38,6 +38,7 @@ class Turn:
     due: float
     seq: int
     future: asyncio.Future[None] | None = None
+    asked: float = 0.0
     started: float = 0.0
     waited: bool = field(default=False)
 
@@ -59,6 +60,7 @@ class ComputeBudget:
         self._now_v = 0.0  # virtual time: the last granted turn's start (its owner's share)
         self.seconds: dict[str, float] = {}  # CPU seconds each owner's turns really took
         self.granted = 0
+        self.waits: dict[str, list[float]] = {}  # seconds each owner's recent turns waited
         self.waited = 0  # turns that had to wait
 
     @property
@@ -68,7 +70,7 @@ class ComputeBudget:
 
     async def acquire(self, priority: int = 0, due: float = 0.0, owner: str = "") -> Turn:
         """Wait for a turn (a cancelled waiter gives its place up); `release` it after."""
-        turn = Turn(owner, priority, due, next(self._seq))
+        turn = Turn(owner, priority, due, next(self._seq), asked=self.clock())
         if not self._busy.get(owner):
             # An idle owner rejoins at the current virtual time: no credit saved while idle.
             self._used[owner] = max(self._used.get(owner, 0.0), self._now_v)
@@ -117,10 +119,13 @@ class ComputeBudget:
         self.granted += 1
         self._now_v = max(self._now_v, self._used.get(turn.owner, 0.0))
         turn.started = self.clock()
+        waits = self.waits.setdefault(turn.owner, [])
+        waits.append(turn.started - turn.asked)
+        del waits[:-1000]  # the last 1,000 turns' waits per owner
 
     def describe(self) -> dict[str, object]:
         """Figures for `/stats`: slots, running, queued, turns granted and how many waited,
-        and each model's CPU seconds."""
+        each model's CPU seconds, and the P95 of its last 1,000 turns' waits for a turn."""
         return {
             "slots": self.slots,
             "running": self.running,
@@ -128,4 +133,10 @@ class ComputeBudget:
             "turns": self.granted,
             "turns_waited": self.waited,
             "seconds_by_model": {k: round(v, 3) for k, v in self.seconds.items()},
+            "wait_p95_ms_by_model": {k: _p95_ms(v) for k, v in self.waits.items() if v},
         }
+
+
+def _p95_ms(seconds: list[float]) -> float:
+    ordered = sorted(seconds)
+    return round(1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 1)
