@@ -560,6 +560,12 @@ script_recipe(
     "--out", "bench/results/rerank",
 )  # fmt: skip
 script_recipe(
+    "two-models", "rerank.py",
+    "MiniLM + a cross-encoder in one process: embedding P95 under a rerank load over without "
+    "it, embedding capacity beside the reranker over alone (two-models/report.md).",
+    "--parts", "two-models", "--duration", "60", "--out", "bench/results/two-models",
+)  # fmt: skip
+script_recipe(
     "llm-decode-step", "llm_decode_step.py",
     "One decode step per runner option at 1/8/32 rows x 310 columns (llm_decode_step.md).",
     "--rows", "1,8,32", "--cols", "310", "--steps", "30",

@@ -482,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rerank-batch-tokens",
         type=int,
-        default=2048,
-        help="two-models: the reranker's own max_batch_tokens (0: the shared 8192); an "
-        "embedding batch may wait for one rerank batch",
+        default=0,
+        help="two-models: the reranker's own max_batch_tokens (0: the shared 8192); a rerank "
+        "batch pauses between layers for an embedding batch, so no cap is needed",
     )
     p.add_argument("--dtype", default="float32", help="two-models: both models' dtype")
     p.add_argument("--seed", type=int, default=0)

@@ -162,3 +162,23 @@ def test_packed_refuses_non_bert(tmp_path: Path) -> None:
         load_runner(str(folder), execution="packed")
     runner = load_runner(str(folder), execution="auto")
     assert not isinstance(runner, PackedEmbeddingRunner)
+
+
+@pytest.mark.parametrize("execution", ["padded", "packed"])
+def test_each_layer_offers_a_pause_point(
+    execution: str, tmp_path: Path, real_texts: list[str]
+) -> None:
+    """Both encoder runners call `between_layers` once before each layer (where the CPU
+    budget of several models may pause the call), and the vectors do not change."""
+    folder = _tiny_encoder(tmp_path, "bert", "mean_tokens")
+    runner = load_runner(str(folder), execution=execution)
+    from lenbatch.core.collate import collate
+
+    ids = runner.tokenize(real_texts[:4], True)
+    batch = collate(ids, runner.info.pad_token_id)
+    want = runner.embed(batch)
+    calls: list[int] = []
+    runner.between_layers = lambda: calls.append(1)  # type: ignore[attr-defined]
+    got = runner.embed(batch)
+    assert len(calls) == 2  # the tiny encoder's two layers
+    np.testing.assert_array_equal(got, want)

@@ -23,11 +23,12 @@ async def _order(
     waiters: list[tuple[str, str, int, float, float]],
     cancel: str | None = None,
     used: dict[str, float] | None = None,
+    idle_credit_s: float = 0.0,
 ) -> list[str]:
     """Run `waiters` (name, owner, priority, due, seconds its call takes) while one call
     holds the budget; the order their turns came in. `used`: seconds each owner used before."""
     clock = _Clock()
-    budget = ComputeBudget(slots=1, clock=clock)
+    budget = ComputeBudget(slots=1, clock=clock, idle_credit_s=idle_credit_s)
     for owner, seconds in (used or {}).items():
         turn = await budget.acquire(owner=owner)
         clock.t += seconds
@@ -89,6 +90,20 @@ def test_an_idle_model_saves_no_credit() -> None:
     assert order == ["a-1", "b-1", "a-2", "b-2"]
 
 
+def test_an_idle_model_rejoins_at_most_its_credit_behind() -> None:
+    """With an idle credit of 1.5 s, the model that was idle runs its first two 1-s calls
+    before the busy one's shares count again, and no more: its credit is bounded."""
+    waiters = [
+        ("a-1", "a", 0, 1.0, 1.0),
+        ("a-2", "a", 0, 2.0, 1.0),
+        ("b-1", "b", 0, 3.0, 1.0),
+        ("b-2", "b", 0, 4.0, 1.0),
+        ("b-3", "b", 0, 5.0, 1.0),
+    ]
+    order = asyncio.run(_order(waiters, used={"a": 30.0}, idle_credit_s=1.5))
+    assert order == ["b-1", "b-2", "a-1", "b-3", "a-2"]
+
+
 def test_cancelled_waiter_gives_up_its_turn() -> None:
     waiters = [("a", "m", 0, 1.0, 0.1), ("b", "m", 0, 2.0, 0.1), ("c", "m", 0, 3.0, 0.1)]
     assert asyncio.run(_order(waiters, cancel="a")) == ["b", "c"]
@@ -111,6 +126,8 @@ def test_free_slots_do_not_wait() -> None:
 def test_slots_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ComputeBudget(slots=0)
+    with pytest.raises(ValueError, match="at least 0"):
+        ComputeBudget(idle_credit_s=-1)
 
 
 def test_describe_reports_each_models_turn_waits() -> None:

@@ -82,8 +82,8 @@ class ModelConfig(BaseModel):
 
     max_batch_tokens: int | None = Field(None, ge=1)
     """This model's own `[batching] max_batch_tokens` (None: the shared one). With several
-    models on one CPU a call is never preempted, so another model's batch may wait for one of
-    this model's: a small cap on a reranker bounds what the embeddings wait."""
+    models on one CPU an encoder call pauses between layers for another model's turn, so the
+    cap is not needed for their latency; a generation step does not pause."""
 
     def default_served_name(self) -> str:
         """The served name when none is given, as far as the config can tell: the folder's or

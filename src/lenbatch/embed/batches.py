@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from lenbatch.core.errors import (
 )
 from lenbatch.core.request import Request
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo, PackedEmbeddingRunner
-from lenbatch.serving.budget import ComputeBudget
+from lenbatch.serving.budget import ComputeBudget, Turn
 
 __all__ = [
     "BatchEvent",
@@ -180,6 +181,27 @@ class BatchRunner:
         # Several models in one process: the CPU budget their model calls take turns on.
         self.budget: ComputeBudget | None = None
         self.budget_owner = info.name  # whose share its turns count to
+        self._turn = threading.local()  # the turn of the call a worker thread is running
+
+    @property
+    def pausable(self) -> bool:
+        """Whether the runner's forward offers pause points between layers (`between_layers`),
+        where a call gives its budget turn back to a waiter that outranks it."""
+        return hasattr(self.runner, "between_layers")
+
+    def use_budget(self, budget: ComputeBudget, owner: str) -> None:
+        """Take turns on `budget` for each model call, counted to `owner`'s share; a runner
+        with pause points pauses its call there when another model's waiter outranks it."""
+        self.budget = budget
+        self.budget_owner = owner
+        if self.pausable:
+            self.runner.between_layers = self._pause_point  # type: ignore[attr-defined]
+
+    def _pause_point(self) -> None:
+        """(Worker thread, between two layers) give the turn back if asked, wait to resume."""
+        turn: Turn | None = getattr(self._turn, "turn", None)
+        if turn is not None and self.budget is not None:
+            self.budget.pause_point(turn)
 
     async def run(
         self,
@@ -255,12 +277,16 @@ class BatchRunner:
             segments=segments,
         )
 
-    def _model_call(self, batch: Prepared) -> npt.NDArray[np.float32]:
-        """Run one prepared batch on the runner (in a worker thread)."""
-        if isinstance(batch, Packed):
-            assert self.packed_runner is not None
-            return self.packed_runner.embed_packed(batch)
-        return self.runner.embed(batch)
+    def _model_call(self, batch: Prepared, turn: Turn | None = None) -> npt.NDArray[np.float32]:
+        """Run one prepared batch on the runner (in a worker thread), on budget `turn`."""
+        self._turn.turn = turn
+        try:
+            if isinstance(batch, Packed):
+                assert self.packed_runner is not None
+                return self.packed_runner.embed_packed(batch)
+            return self.runner.embed(batch)
+        finally:
+            self._turn.turn = None
 
     async def _call(
         self,
@@ -277,14 +303,14 @@ class BatchRunner:
         turn = None
         if budget is not None:
             prio, due = max(r.priority for r in live), min(map(_due, live))
-            turn = await budget.acquire(prio, due, self.budget_owner)
+            turn = await budget.acquire(prio, due, self.budget_owner, self.pausable)
         error: BaseException | None = None
         try:
             start = self.clock.now()
             yield Started(live, start)
-            running = loop.run_in_executor(self.executor, self._model_call, batch)
+            running = loop.run_in_executor(self.executor, self._model_call, batch, turn)
             limit = self.recovery.batch_timeout_s
-            if limit is not None and not (await asyncio.wait({running}, timeout=limit))[0]:
+            if limit is not None and not await self._within(running, limit, turn):
                 yield Crashed(lane, f"a batch of {len(live)} ran longer than {limit:g} s", live)
                 return
             try:
@@ -314,7 +340,8 @@ class BatchRunner:
                 async for event in again:
                     yield event
             return
-        end = self.clock.now()
+        # A call paused for another model's turn took its pauses' seconds less (cost model).
+        end = self.clock.now() - (turn.paused_s if turn is not None else 0.0)
         if out.shape[0] != len(live):
             raise RuntimeError(f"bug: runner returned {out.shape[0]} rows for {len(live)} inputs")
         self.failures_in_row = 0
@@ -329,6 +356,20 @@ class BatchRunner:
             batch.width,
             isinstance(batch, Packed),
         )
+
+    async def _within(self, running: asyncio.Future[Any], limit: float, turn: Turn | None) -> bool:
+        """Whether `running` ends within `limit` seconds of work: time it spent paused for
+        another model's turn does not count."""
+        start = self.clock.now()
+        left = limit
+        while not (await asyncio.wait({running}, timeout=left))[0]:
+            now = self.clock.now()
+            budget = self.budget
+            paused = turn.paused_until(budget.clock()) if turn and budget else 0.0
+            left = limit - (now - start - paused)
+            if left <= 0:
+                return False
+        return True
 
     # ------------------------------------------------------------------ when the model fails
 

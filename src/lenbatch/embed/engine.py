@@ -157,8 +157,7 @@ class Engine(BaseEngine[Vector]):
         """Take turns on `budget` (shared with the other models' engines) for each batch,
         counted to `owner`'s share."""
         super().use_budget(budget, owner)
-        self.batches.budget = budget
-        self.batches.budget_owner = owner
+        self.batches.use_budget(budget, owner)
         if budget.slots <= self.batching.max_concurrent_batches:
             # The budget alone bounds the model calls running at once. A batch formed ahead
             # then waits for its turn at the budget, in its model's place in the budget's

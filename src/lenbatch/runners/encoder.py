@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +138,22 @@ class EncoderRunner:
             default_prompt_name=default_prompt,
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="head")
+        # Several models in one process: called in the worker thread between two layers, where
+        # the CPU budget may pause this call for another model's turn (`serving/budget.py`).
+        self.between_layers: Callable[[], None] | None = None
+        for layers in self.model.modules():
+            if isinstance(layers, torch.nn.ModuleList) and len(layers) > 1:
+                for layer in layers:
+                    layer.register_forward_pre_hook(self._before_layer)
+                break  # the first stack of layers is the encoder's
         self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _before_layer(self, module: Any, args: Any) -> None:
+        if self.between_layers is not None:
+            self.between_layers()
 
     def _load_model(self) -> Any:
         """The encoder whose hidden states are pooled (subclasses load a head around it)."""

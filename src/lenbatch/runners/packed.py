@@ -176,6 +176,8 @@ class PackedEncoderRunner(EncoderRunner):
             x = F.pad(x, (0, 0, 0, rounded - tokens))
         attend = _Attention(batch, dev, self._mm_dtype, rounded)
         for layer in self._layers:
+            if self.between_layers is not None:
+                self.between_layers()  # the CPU budget may pause here (several models)
             # One expression per sub-block, so no intermediate outlives its use (peak memory).
             ctx = attend(layer.qkv(x), layer.heads, layer.head_dim)
             x = layer.attn_norm(layer.attn_out(ctx).float() + x)
