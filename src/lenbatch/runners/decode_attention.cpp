@@ -42,6 +42,14 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 constexpr int64_t kMaxVectors = 32;  // group x head_dim / 16 kept in registers (or close)
+constexpr int64_t kAhead = 16;       // rows of keys / values fetched ahead of their use
+
+// Ask for one key or value row (`bytes` long) ahead of its use: a step's cache is far larger
+// than the CPU's caches, and its rows are read once.
+inline void fetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
 
 // The same computation as `attend_task` below with explicit 512-bit vectors, for a head_dim
 // that is a multiple of 16 and a group small enough to keep every query in registers.
@@ -56,7 +64,11 @@ void attend_task_avx512(const T* qrow, const T* kbase, int64_t ks2, const T* vba
     for (int64_t v = 0; v < nv; ++v)
       qv[g * nv + v] = _mm512_mul_ps(load16(qrow + g * head_dim + v * 16), vscale);
   scores.resize(group * n);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) fetch_row(kbase + cols[j] * ks2, row_bytes);
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) fetch_row(kbase + cols[j + kAhead] * ks2, row_bytes);
+    else if (j + kAhead - n < n) fetch_row(vbase + cols[j + kAhead - n] * vs2, row_bytes);
     const T* krow = kbase + cols[j] * ks2;
     for (int64_t v = 0; v < nv; ++v) kv[v] = load16(krow + v * 16);
     for (int64_t g = 0; g < group; ++g) {
@@ -79,6 +91,7 @@ void attend_task_avx512(const T* qrow, const T* kbase, int64_t ks2, const T* vba
   }
   for (int64_t i = 0; i < group * nv; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) fetch_row(vbase + cols[j + kAhead] * vs2, row_bytes);
     const T* vrow = vbase + cols[j] * vs2;
     for (int64_t v = 0; v < nv; ++v) kv[v] = load16(vrow + v * 16);
     for (int64_t g = 0; g < group; ++g) {
