@@ -87,3 +87,25 @@ def test_rejects_mismatched_shapes() -> None:
     q, keys, values, mask = _case(2, 1, 1, 16, 10, torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op.decode_attention(q, keys, values, mask[:, :9], 0.25)
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_add_rms_norm_equals_torch(rows: int, dtype: torch.dtype) -> None:
+    """The fused residual add + RMSNorm: `h` becomes `h + delta` exactly as torch adds, and the
+    output equals `F.rms_norm` of it (float32 within 1e-6; bfloat16 within one rounding)."""
+    op = da.decode_attention_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 2, 96, generator=gen).to(dtype)
+    delta = torch.randn(rows, 2, 96, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(96, generator=gen)).to(dtype)
+    want_h = h + delta
+    want = F.rms_norm(want_h.float(), (96,), weight.float(), 1e-5)
+    got = op.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(h, want_h)  # added in place
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op.add_rms_norm(h, delta[:, :1].contiguous(), weight, 1e-5)

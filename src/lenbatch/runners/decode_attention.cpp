@@ -13,6 +13,9 @@
 // out    [rows, kv_heads * group, head_dim]          (q's dtype)
 //
 // Scores, softmax and the weighted sum are float32, as torch's bfloat16 attention accumulates.
+//
+// Beside it, `add_rms_norm`: a decoder layer's residual add and the next RMSNorm in one pass
+// (torch runs them as a handful of small ops, each paying its dispatch on every layer).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -203,7 +206,51 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   });
 }
 
+// h[r] += delta[r] (rounded to h's dtype, as `h + delta` is); out[r] = h[r] / rms(h[r]) * w,
+// the mean of squares in float32 and one rounding at the end, as torch's fused rms_norm does.
+template <typename T>
+void add_rms_rows(T* hp, const T* dp, const T* wp, T* op, int64_t rows, int64_t hidden,
+                  float eps) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      T* h = hp + r * hidden;
+      const T* d = dp + r * hidden;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const T sum = static_cast<T>(to_float(h[i]) + to_float(d[i]));
+        h[i] = sum;
+        x[i] = to_float(sum);
+        squares += x[i] * x[i];
+      }
+      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      T* o = op + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(x[i] * rstd * to_float(wp[i]));
+    }
+  });
+}
+
 }  // namespace
+
+// The residual add and the next RMSNorm of a decoder layer in one pass over the rows:
+// `h += delta` in place, returns rms_norm(h) * weight. h, delta [rows, hidden] contiguous.
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(h.is_contiguous() && delta.is_contiguous() && weight.is_contiguous(),
+              "add_rms_norm: tensors must be contiguous");
+  TORCH_CHECK(h.sizes() == delta.sizes() && weight.dim() == 1 && weight.size(0) == h.size(-1),
+              "add_rms_norm: shapes do not match");
+  TORCH_CHECK(h.scalar_type() == delta.scalar_type() && h.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: h, delta and weight must share a dtype");
+  auto out = at::empty_like(h);
+  const int64_t hidden = h.size(-1), rows = h.numel() / std::max<int64_t>(hidden, 1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_rms_norm", [&] {
+    add_rms_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                           weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, hidden,
+                           static_cast<float>(eps));
+  });
+  return out;
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& mask, double scale) {
@@ -229,6 +276,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm,
+        "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
   m.def("decode_attention", &decode_attention,
         "Decode-step attention over each row's real columns (q [rows, heads, dim])");
 }

@@ -192,6 +192,21 @@ class LeanLlama:
             q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=nh != nkv
         )
 
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual `h + delta` and its RMSNorm with `weight`: one pass of the C++ op where
+        it is built (it adds into `h`, a tensor this forward owns), else two torch ops."""
+        if (
+            self.kernel is not None
+            and h.dtype == delta.dtype == weight.dtype
+            and h.is_contiguous()
+            and delta.is_contiguous()
+        ):
+            return h, self.kernel.add_rms_norm(h, delta, weight, self.eps)
+        h = h + delta
+        return h, F.rms_norm(h, (self.hidden,), weight, self.eps)
+
     @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
@@ -206,8 +221,9 @@ class LeanLlama:
         attn_mask = self.attention_mask(mask, new)
         tokens = rows * new
         shape = (hidden,)
+        x = F.rms_norm(h, shape, self.layers[0].ln1, self.eps)
+        last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, shape, layer.ln1, self.eps)
             qkv = layer.qkv(x.view(tokens, hidden), tokens).view(rows, new, nh + 2 * nkv, hd)
             qkv = qkv.transpose(1, 2)
             q = self._rotate(qkv[:, :nh], cos, sin)
@@ -215,10 +231,13 @@ class LeanLlama:
             v = qkv[:, nh + nkv :]
             keys, values = cache.update(k, v, i)
             a = self._attend(q, keys, values, attn_mask).transpose(1, 2).reshape(tokens, nh * hd)
-            h = h + layer.o(a, tokens).view(rows, new, hidden)
-            x = F.rms_norm(h, shape, layer.ln2, self.eps).view(tokens, hidden)
-            gu = layer.gate_up(x, tokens)
+            h, x = self._add_norm(h, layer.o(a, tokens).view(rows, new, hidden), layer.ln2)
+            gu = layer.gate_up(x.view(tokens, hidden), tokens)
             gate, up = gu.chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up, tokens).view(rows, new, hidden)
+            down = layer.down(F.silu(gate) * up, tokens).view(rows, new, hidden)
+            if i < last_layer:
+                h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
+            else:
+                h = h + down
         last = F.rms_norm(h[:, -1], shape, self.norm, self.eps)
         return self.lm_head(last, rows).float()
