@@ -58,6 +58,7 @@ class Turn:
     suspended: bool = False  # paused at a `pause_point`, waiting to be granted again
     paused_s: float = 0.0  # seconds its call spent paused so far (not working)
     timer_epoch: int = 0  # which preemption timer of this turn is the live one
+    resume: threading.Event | None = None  # set to let its paused worker thread run on
 
     def paused_until(self, now: float) -> float:
         """Seconds the call has been paused by `now`, the pause under way included."""
@@ -139,8 +140,9 @@ class ComputeBudget:
             self._waiting.remove(turn)
             turn.suspended = False
             self._busy[turn.owner] -= 1
-            assert turn.future is not None
-            turn.future.cancel()  # wakes its worker thread
+            assert turn.future is not None and turn.resume is not None
+            turn.future.cancel()
+            turn.resume.set()  # directly: the loop may stop before a callback would run
             return
         self.running -= 1
         self._running.remove(turn)
@@ -179,7 +181,7 @@ class ComputeBudget:
         turn.asked = self.clock()
         assert self._loop is not None
         turn.future = self._loop.create_future()
-        turn.future.add_done_callback(lambda _: resumed.set())
+        turn.resume = resumed
         self._waiting.append(turn)
         self._dispatch()
 
@@ -245,6 +247,8 @@ class ComputeBudget:
         turn.started = self.clock()
         if turn.suspended:  # a paused call resumes: not a new turn
             turn.suspended = False
+            assert turn.resume is not None
+            turn.resume.set()
             return
         self.granted += 1
         waits = self.waits.setdefault(turn.owner, [])
