@@ -109,3 +109,30 @@ def test_add_rms_norm_equals_torch(rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op.add_rms_norm(h, delta[:, :1].contiguous(), weight, 1e-5)
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_rotate_half(dtype: torch.dtype) -> None:
+    """Rotary embedding in place on the query and key heads, as transformers' Llama computes
+    it (`x * cos + rotate_half(x) * sin`); the value heads are left alone."""
+    op = da.decode_attention_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(3)
+    rows, new, heads, rotated, dim = 5, 3, 7, 5, 32
+    x = torch.randn(rows, new, heads, dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, new, dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    xf = x.float()
+    half = torch.cat((-xf[..., dim // 2 :], xf[..., : dim // 2]), -1)
+    want = xf * cos.float()[:, :, None] + half * sin.float()[:, :, None]
+    got = x.clone()
+    op.rope(got, cos, sin, rotated)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        got[:, :, :rotated].float(), want[:, :, :rotated], rtol=tol, atol=tol
+    )
+    assert torch.equal(got[:, :, rotated:], x[:, :, rotated:])
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op.rope(got, cos[:, :2].contiguous(), sin[:, :2].contiguous(), rotated)

@@ -14,8 +14,9 @@
 //
 // Scores, softmax and the weighted sum are float32, as torch's bfloat16 attention accumulates.
 //
-// Beside it, `add_rms_norm`: a decoder layer's residual add and the next RMSNorm in one pass
-// (torch runs them as a handful of small ops, each paying its dispatch on every layer).
+// Beside it, `add_rms_norm` (a decoder layer's residual add and the next RMSNorm) and `rope`
+// (rotary embedding of the queries and keys in place), each one pass where torch runs a
+// handful of small ops, each paying its dispatch on every layer.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -230,7 +231,52 @@ void add_rms_rows(T* hp, const T* dp, const T* wp, T* op, int64_t rows, int64_t 
   });
 }
 
+// Rotary embedding in place on the first `rotated` heads of each (row, column) of x
+// [rows, new, heads, dim], with cos / sin [rows, new, dim]: x * cos + rotate_half(x) * sin in
+// float32, one rounding.
+template <typename T>
+void rope_rows(T* xp, const T* cp, const T* sp, int64_t cells, int64_t heads, int64_t rotated,
+               int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, cells, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(half), b(half);
+    for (int64_t c = begin; c < end; ++c) {
+      const T* cs = cp + c * dim;
+      const T* sn = sp + c * dim;
+      for (int64_t h = 0; h < rotated; ++h) {
+        T* x = xp + (c * heads + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          a[i] = to_float(x[i]);
+          b[i] = to_float(x[i + half]);
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          x[i] = static_cast<T>(a[i] * to_float(cs[i]) - b[i] * to_float(sn[i]));
+          x[i + half] = static_cast<T>(b[i] * to_float(cs[i + half]) + a[i] * to_float(sn[i + half]));
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// Rotary position embedding in place: the first `rotated` heads of x [rows, new, heads, dim]
+// (queries, then keys), with cos / sin [rows, new, dim] of each column's position.
+void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t rotated) {
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && x.is_contiguous() && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "rope: x [rows, new, heads, dim] and cos / sin [rows, new, dim], contiguous");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(1) &&
+                  cos.size(2) == x.size(3) && x.size(3) % 2 == 0 && rotated >= 0 &&
+                  rotated <= x.size(2),
+              "rope: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(),
+              "rope: x, cos and sin must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        x.size(0) * x.size(1), x.size(2), rotated, x.size(3));
+  });
+}
 
 // The residual add and the next RMSNorm of a decoder layer in one pass over the rows:
 // `h += delta` in place, returns rms_norm(h) * weight. h, delta [rows, hidden] contiguous.
@@ -276,6 +322,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope", &rope, "rotary embedding in place on the first heads of x [rows, new, heads, dim]");
   m.def("add_rms_norm", &add_rms_norm,
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
   m.def("decode_attention", &decode_attention,

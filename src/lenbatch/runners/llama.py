@@ -216,8 +216,9 @@ class LeanLlama:
         rows, new = input_ids.shape
         nh, nkv, hd, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
         h = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions][:, None]  # [rows, 1, new, head_dim]
-        sin = self.sin[positions][:, None]
+        cos = self.cos[positions]  # [rows, new, head_dim]
+        sin = self.sin[positions]
+        kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
         attn_mask = self.attention_mask(mask, new)
         tokens = rows * new
         shape = (hidden,)
@@ -225,9 +226,15 @@ class LeanLlama:
         last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x.view(tokens, hidden), tokens).view(rows, new, nh + 2 * nkv, hd)
-            qkv = qkv.transpose(1, 2)
-            q = self._rotate(qkv[:, :nh], cos, sin)
-            k = self._rotate(qkv[:, nh : nh + nkv], cos, sin)
+            if kernel is not None:  # queries and keys rotated in place, one pass
+                qkv = qkv.contiguous()  # (a no-op: a linear's output is)
+                kernel.rope(qkv, cos, sin, nh + nkv)
+                qkv = qkv.transpose(1, 2)
+                q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+            else:
+                qkv = qkv.transpose(1, 2)
+                q = self._rotate(qkv[:, :nh], cos[:, None], sin[:, None])
+                k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
             v = qkv[:, nh + nkv :]
             keys, values = cache.update(k, v, i)
             a = self._attend(q, keys, values, attn_mask).transpose(1, 2).reshape(tokens, nh * hd)
