@@ -136,3 +136,18 @@ def test_rope_equals_rotate_half(dtype: torch.dtype) -> None:
     assert torch.equal(got[:, :, rotated:], x[:, :, rotated:])
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op.rope(got, cos[:, :2].contiguous(), sin[:, :2].contiguous(), rotated)
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_torch(dtype: torch.dtype) -> None:
+    """A gated MLP's activation, `silu(gate) * up` of `[gate | up]`, as torch computes it."""
+    op = da.decode_attention_op()
+    assert op is not None
+    gu = (3 * torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(5))).to(dtype)
+    gate, up = gu.float().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(op.silu_mul(gu).float(), want, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="2 \\* inter"):
+        op.silu_mul(gu[:, :3])

@@ -14,8 +14,9 @@
 //
 // Scores, softmax and the weighted sum are float32, as torch's bfloat16 attention accumulates.
 //
-// Beside it, `add_rms_norm` (a decoder layer's residual add and the next RMSNorm) and `rope`
-// (rotary embedding of the queries and keys in place), each one pass where torch runs a
+// Beside it, `add_rms_norm` (a decoder layer's residual add and the next RMSNorm), `rope`
+// (rotary embedding of the queries and keys in place) and `silu_mul` (the gated MLP's
+// activation), each one pass where torch runs a
 // handful of small ops, each paying its dispatch on every layer.
 
 #include <torch/extension.h>
@@ -258,7 +259,38 @@ void rope_rows(T* xp, const T* cp, const T* sp, int64_t cells, int64_t heads, in
   });
 }
 
+// out[r] = silu(gu[r][:inter]) * gu[r][inter:], float32 inside, one rounding.
+template <typename T>
+void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = gp + r * 2 * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        g[i] = to_float(row[i]);
+        u[i] = to_float(row[inter + i]);
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      T* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = static_cast<T>(g[i]);
+    }
+  });
+}
+
 }  // namespace
+
+// A gated MLP's activation: gu [rows, 2 * inter] (gate, then up) -> silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "silu_mul: gu must be [rows, 2 * inter], contiguous");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto out = at::empty({rows, inter}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
 
 // Rotary position embedding in place: the first `rotated` heads of x [rows, new, heads, dim]
 // (queries, then keys), with cos / sin [rows, new, dim] of each column's position.
@@ -322,6 +354,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &silu_mul, "gu [rows, 2 * inter] -> silu(gate) * up");
   m.def("rope", &rope, "rotary embedding in place on the first heads of x [rows, new, heads, dim]");
   m.def("add_rms_norm", &add_rms_norm,
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");

@@ -91,7 +91,8 @@ def _build() -> Any:
 
 def decode_attention_op() -> Any | None:
     """The built op (`op.decode_attention(q, keys, values, mask, scale)`, and
-    `op.add_rms_norm(h, delta, weight, eps)`, `op.rope(x, cos, sin, heads)`), or None where it
+    `op.add_rms_norm(h, delta, weight, eps)`, `op.rope(x, cos, sin, heads)`,
+    `op.silu_mul(gu)`), or None where it
     cannot be used here (logged once). Builds on the first call (tens of seconds), then loads
     from the venv's cache."""
     with _lock:

@@ -240,8 +240,12 @@ class LeanLlama:
             a = self._attend(q, keys, values, attn_mask).transpose(1, 2).reshape(tokens, nh * hd)
             h, x = self._add_norm(h, layer.o(a, tokens).view(rows, new, hidden), layer.ln2)
             gu = layer.gate_up(x.view(tokens, hidden), tokens)
-            gate, up = gu.chunk(2, dim=-1)
-            down = layer.down(F.silu(gate) * up, tokens).view(rows, new, hidden)
+            if kernel is not None and gu.dim() == 2 and gu.is_contiguous():
+                act = kernel.silu_mul(gu)  # one pass, one rounding
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            down = layer.down(act, tokens).view(rows, new, hidden)
             if i < last_layer:
                 h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
             else:
