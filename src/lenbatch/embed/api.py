@@ -13,13 +13,22 @@ from typing import Annotated
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.types import Receive, Scope
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
 from lenbatch.embed.prompting import cut_dimensions, prompt_for, prompted
 from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
+from lenbatch.serving.http import (
+    add_hot_route,
+    check_model,
+    engine_app,
+    hot_headers,
+    serve_app,
+    watched,
+)
 from lenbatch.serving.messages import Inputs
 from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import EmbeddingService
@@ -54,16 +63,13 @@ def create_app(
     app = engine_app(engine, settings, served, {"task": "embed"})
     has_default_prompt = engine.info.default_prompt_name is not None
 
-    @app.post("/v1/embeddings")
-    async def embeddings(
+    async def answer(
         body: EmbeddingRequest,
-        request: Request,
-        x_request_timeout: Annotated[
-            float | None, Header(gt=0, allow_inf_nan=False, description=_TIMEOUT_DOC)
-        ] = None,
-        x_priority: Annotated[int | None, Header(description=_PRIORITY_DOC)] = None,
+        timeout: float | None,
+        header_priority: int | None,
+        receive: Receive,
     ) -> Response:
-        """OpenAI-compatible embeddings; each input is batched by its own length."""
+        """The answer to a validated call: the FastAPI route's and the hot route's."""
         check_model(body.model, accepted_names, served)
         info = engine.info
         if body.dimensions is not None and body.dimensions > info.dim:
@@ -73,11 +79,11 @@ def create_app(
             prompt = prompt_for(info, body.prompt_name, body.input_type)
             if prompt is not None:
                 inputs = prompted(inputs, prompt)
-        priority = body.priority if body.priority is not None else x_priority
+        priority = body.priority if body.priority is not None else header_priority
         work = engine.embed_with_usage(
-            inputs, truncate=body.truncate, timeout=x_request_timeout, priority=priority or 0
+            inputs, truncate=body.truncate, timeout=timeout, priority=priority or 0
         )
-        done = await unless_disconnected(request, work)
+        done = await watched(app, receive, work)
         if done is None:
             log.info("client disconnected: %d inputs withdrawn", len(inputs))
             return Response(status_code=499)
@@ -96,6 +102,32 @@ def create_app(
             "usage": {"prompt_tokens": usage, "total_tokens": usage},
         }
         return Response(dumps(payload), media_type="application/json")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(
+        body: EmbeddingRequest,
+        request: Request,
+        x_request_timeout: Annotated[
+            float | None, Header(gt=0, allow_inf_nan=False, description=_TIMEOUT_DOC)
+        ] = None,
+        x_priority: Annotated[int | None, Header(description=_PRIORITY_DOC)] = None,
+    ) -> Response:
+        """OpenAI-compatible embeddings; each input is batched by its own length."""
+        return await answer(body, x_request_timeout, x_priority, request.receive)
+
+    async def hot_embeddings(scope: Scope, raw: bytes, receive: Receive) -> Response | None:
+        # The same route for the calls it can read without FastAPI: a JSON body that
+        # validates and plain header values; anything else goes on to the route above.
+        head = hot_headers(scope)
+        if head is None:
+            return None
+        try:
+            body = EmbeddingRequest.model_validate_json(raw)
+        except ValidationError:
+            return None
+        return await answer(body, head.timeout, head.priority, receive)
+
+    add_hot_route(app, "POST", "/v1/embeddings", hot_embeddings)
 
     if tokenizer is not None:
         add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted_names, served)

@@ -10,6 +10,13 @@ size limit, by `Content-Length` and by counting a chunked body as it streams in.
 waits on the engine is watched by the app's `DisconnectSweeper` (serving/disconnects.py), so a
 client that goes away has its inputs taken out of the queue.
 
+Inside the guard, a hot route (`add_hot_route`) may answer a busy path without FastAPI's routing,
+dependency solving and exception middleware (about a third of the event loop's CPU per request
+for a one-input embeddings call): it gets the whole body and answers a request it can validate
+itself, or returns None and the request goes on to the FastAPI route, unchanged, which then
+answers it as it always did (every validation error included). The FastAPI route stays the
+reference: the OpenAPI schema, and every request the hot route passes on.
+
 `DrainingServer` is uvicorn's server with lenbatch's drain put in front of uvicorn's own
 shutdown: on SIGTERM or Ctrl-C the engine first refuses new requests (503 with the reason) while
 the listener stays open, answers everything already admitted (up to `drain_timeout_s`, then
@@ -22,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Collection, Coroutine
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -42,14 +51,19 @@ from lenbatch.serving.services import Service
 
 __all__ = [
     "DrainingServer",
+    "HotHeaders",
+    "HotRoute",
+    "add_hot_route",
     "check_model",
     "engine_app",
     "error_response",
     "guarded",
+    "hot_headers",
     "new_app",
     "serve_app",
     "unless_disconnected",
     "until_disconnect",
+    "watched",
 ]
 
 log = logging.getLogger("lenbatch.serving.http")
@@ -95,10 +109,126 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     the queue or the batch before they cost compute), let the cancellation run, and return
     None. Exceptions of `work` propagate. No task is made per request: the work runs in the
     route's task, and the app's `DisconnectSweeper` watches the connection."""
-    sweeper = getattr(request.app.state, "disconnects", None)
+    return await watched(request.app, request.receive, work)
+
+
+async def watched(app: Any, receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """`unless_disconnected` for a route that has the app and the ASGI `receive` of its
+    request rather than a `Request` (a hot route)."""
+    sweeper = getattr(app.state, "disconnects", None)
     if sweeper is None:
-        sweeper = request.app.state.disconnects = DisconnectSweeper()
-    return await sweeper.run(request.receive, work)
+        sweeper = app.state.disconnects = DisconnectSweeper()
+    return await sweeper.run(receive, work)
+
+
+HotRoute = Callable[[Scope, bytes, Receive], Awaitable[Response | None]]
+"""A hot route: given the request's scope, its whole body and the ASGI `receive` (to watch
+for a disconnect), the response, or None to pass the request on to the FastAPI route. It may
+raise `LenbatchError` (answered in the error shape, as the FastAPI route's would be)."""
+
+
+def add_hot_route(app: FastAPI, method: str, path: str, route: HotRoute) -> None:
+    """Answer `method path` with `route` first (see the module docstring); `app` comes from
+    `new_app`, and a FastAPI route for the same path must exist as the reference."""
+    app.state.hot_routes[(method, path)] = route
+
+
+class _HotRoutes:
+    """Plain ASGI middleware inside the guard that runs a path's hot route, if it has one."""
+
+    def __init__(self, app: ASGIApp, routes: dict[tuple[str, str], HotRoute]) -> None:
+        self.app = app
+        self.routes = routes  # filled in after the app is made, before it serves
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == "http":
+            route = self.routes.get((scope["method"], scope["path"]))
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        more = True
+        try:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # gone before the body arrived: nobody to answer
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+        except _BodyTooLarge as err:
+            too_large = _error(413, str(err.detail), "invalid_request_error", "body_too_large")
+            await too_large(scope, receive, send)
+            return
+        body = b"".join(chunks)
+        try:
+            response = await route(scope, body, receive)
+        except LenbatchError as err:
+            response = error_response(err)
+        if response is None:
+            await self.app(scope, _replay(body, receive), send)
+        else:
+            await response(scope, receive, send)
+
+
+@dataclass(frozen=True, slots=True)
+class HotHeaders:
+    """What a hot route reads from the headers: `X-Request-Timeout` and `X-Priority`."""
+
+    timeout: float | None = None
+    priority: int | None = None
+
+
+_PLAIN_HEADERS = HotHeaders()
+_SECONDS = re.compile(rb"[0-9]{1,9}(\.[0-9]{0,9})?")
+_LEVEL = re.compile(rb"-?[0-9]{1,9}")
+
+
+def hot_headers(scope: Scope) -> HotHeaders | None:
+    """The timeout and priority headers of a request that says its body is JSON (content type
+    `application/json` or `application/*+json`: what FastAPI parses as JSON), when each is a
+    plain number given once; otherwise None, and the FastAPI route, which validates them and
+    words the error, takes the request."""
+    timeout = priority = None
+    seen: set[bytes] = set()
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            if name in seen or not (
+                kind == b"application/json"
+                or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+            ):
+                return None
+        elif name == b"x-request-timeout":
+            if not _SECONDS.fullmatch(value) or name in seen or float(value) <= 0:
+                return None
+            timeout = float(value)
+        elif name == b"x-priority":
+            if not _LEVEL.fullmatch(value) or name in seen:
+                return None
+            priority = int(value)
+        else:
+            continue
+        seen.add(name)
+    if b"content-type" not in seen:
+        return None
+    if timeout is None and priority is None:
+        return _PLAIN_HEADERS
+    return HotHeaders(timeout, priority)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that first hands out the body already read, then the connection's messages."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -241,6 +371,8 @@ def new_app(settings: Settings, lifespan: Any) -> FastAPI:
     """A FastAPI app with what every lenbatch server shares: CORS, the API-key and body-size
     guard, and error handlers that answer in OpenAI's shape without echoing request content."""
     app = FastAPI(title="lenbatch", version="0.1.0", lifespan=lifespan)
+    app.state.hot_routes = {}
+    app.add_middleware(_HotRoutes, routes=app.state.hot_routes)  # innermost: inside the guard
 
     if settings.server.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
