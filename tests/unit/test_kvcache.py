@@ -119,3 +119,30 @@ def test_select_of_a_non_prefix_then_merge_reuses_freed_rows() -> None:
     c = _batch([1], 500)
     m = merge(b, c)
     assert _rows(m) == [rows[2], rows[0], _rows(_batch([1], 500))[0]]
+
+
+def test_select_in_any_order_keeps_each_rows_keys_and_values() -> None:
+    """Rows kept in any order (places swapped, moved forward, kept) carry their own keys and
+    values in every layer, though only the rows that change place are copied."""
+    lengths = [4, 2, 5, 3, 1, 6]
+    for keep in ([5, 1, 2, 0], [0, 1, 5, 3], [3, 2, 1, 0, 4], [4], [0, 5, 2, 3, 4, 1]):
+        b = _batch(lengths, 0)
+        rows = _rows(b)
+        b.select(keep)
+        assert _rows(b) == [rows[i] for i in keep]
+        assert b.next_pos.tolist() == [lengths[i] for i in keep]
+        for layer in b.cache.layers:
+            assert torch.equal(layer.values, -layer.keys)
+
+
+def test_rows_that_end_are_replaced_from_the_tail() -> None:
+    """The places of ended rows are filled by the last rows that stay, in order; the others
+    keep their places."""
+    from lenbatch.generate.decode import fill_from_tail
+
+    assert fill_from_tail([False, True, False, False, True, False]) == [0, 5, 2, 3]
+    assert fill_from_tail([True, False, False]) == [2, 1]
+    assert fill_from_tail([False, False, True]) == [0, 1]
+    assert fill_from_tail([True, True]) == []
+    assert fill_from_tail([False, False]) == [0, 1]
+    assert fill_from_tail([True, True, False, False, True, False]) == [3, 5, 2]

@@ -30,7 +30,7 @@ from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.messages import Delta
 
-__all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next"]
+__all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next", "fill_from_tail"]
 
 
 @dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
@@ -271,8 +271,10 @@ class Decoder:
         return lanes
 
     def _drop_done(self) -> list[int]:
-        """Remove finished and cancelled rows from the batch and its cache."""
-        keep = [i for i, g in enumerate(self.rows) if not g.done]
+        """Remove finished and cancelled rows from the batch and its cache. The places they
+        leave are filled with the last running rows, so the cache copies one row per row
+        that ended, not every row after it."""
+        keep = fill_from_tail([g.done for g in self.rows])
         if len(keep) != len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             if not keep:
@@ -280,6 +282,16 @@ class Decoder:
             elif self.running is not None:
                 self.running.select(keep)
         return self.release_held()
+
+
+def fill_from_tail(done: list[bool]) -> list[int]:
+    """The rows to keep, in their new order, when rows `done` leave: a row that stays keeps
+    its place unless that place is past the new end, and then it fills the first free place
+    (rows after the new end move, in order, to the places the ended rows left)."""
+    n = len(done) - sum(done)
+    tail = [i for i in range(n, len(done)) if not done[i]]
+    movers = iter(tail)
+    return [next(movers) if done[i] else i for i in range(n)]
 
 
 def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:

@@ -126,10 +126,13 @@ def _preempt_half(decoder: Decoder) -> tuple[list[Generation], list[int]]:
     kv.rollback()
     if len(decoder.rows) == 1:
         return _drop_running(decoder)
-    keep = len(decoder.rows) // 2
-    moved = decoder.rows[keep:]
-    decoder.rows = decoder.rows[:keep]
-    kv.select(list(range(keep)))
+    # The newest by arrival (rows change places as others end: `Decoder._drop_done`).
+    by_age = sorted(range(len(decoder.rows)), key=lambda i: decoder.rows[i].request.arrival)
+    half = len(decoder.rows) // 2
+    keep = sorted(by_age[:half])
+    moved = [decoder.rows[i] for i in sorted(by_age[half:])]
+    decoder.rows = [decoder.rows[i] for i in keep]
+    kv.select(keep)
     # Its rows' scheduler slot was already accounted for: the job frees none.
     decoder.jobs.appendleft(decoder.new_job(-1, moved, releases=False))
     decoder.preempted += len(moved)

@@ -185,13 +185,18 @@ class WindowLayer(DynamicLayer):
     # ------------------------------------------------------------------ batch surgery
 
     def keep_rows(self, idx: torch.Tensor, prefix: bool) -> None:
-        """Keep rows `idx` (in order) at the front; `prefix` when they already are rows 0..n-1."""
+        """Keep rows `idx` (in order) at the front; `prefix` when they already are rows 0..n-1.
+        Only the rows that change place are copied (a row that ends mid-batch costs one row's
+        copy when the caller fills its place from the tail, not the whole cache's)."""
         n = int(idx.numel())
         if not prefix:
             assert self.kbuf is not None and self.vbuf is not None
+            moved = (idx != torch.arange(n, device=idx.device)).nonzero().flatten()
+            src = idx.index_select(0, moved)
             for buf in (self.kbuf, self.vbuf):
-                win = buf[: self.rows, :, self.start : self.end]
-                buf[:n, :, self.start : self.end] = win.index_select(0, idx)
+                # Gathered first (a copy), then written: safe for any order of `idx`.
+                rows = buf[:, :, self.start : self.end].index_select(0, src)
+                buf[:, :, self.start : self.end].index_copy_(0, moved, rows)
         self.rows = n
         self.reslice()
 
