@@ -502,6 +502,11 @@ script_recipe(
     "--requests", "300",
 )  # fmt: skip
 script_recipe(
+    "hot-route", "hot_route.py",
+    "The hot /v1/embeddings route against FastAPI's: loop CPU per call, A/B (request_cost.md).",
+    "--blocks", "30",
+)  # fmt: skip
+script_recipe(
     "memory-growth", "memory_growth.py",
     "RSS of the runner over batches of varied shapes, in-process (capacity.md).",
     "--batches", "400",
