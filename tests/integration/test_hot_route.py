@@ -132,3 +132,17 @@ def test_same_answer_as_fastapi(answers: Any, i: int) -> None:
     for va, vb in zip(_vectors(ja), _vectors(jb), strict=True):
         assert va.shape == vb.shape
         np.testing.assert_allclose(va, vb, atol=1e-5)
+
+
+def test_the_start_up_heap_is_frozen(minilm: EmbeddingRunner) -> None:
+    """Once the server has started, what start-up made is out of the collector's scans."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with LiveServer(Engine(minilm, BatchingConfig(max_wait_ms=2))) as srv:
+        frozen = gc.get_freeze_count()
+        r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "x"}, timeout=30)
+    gc.unfreeze()
+    assert r.status_code == 200
+    assert frozen > 10_000  # the model, its tokenizer and the app

@@ -27,6 +27,7 @@ shutdown. A second Ctrl-C forces an immediate exit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import re
@@ -57,6 +58,7 @@ __all__ = [
     "check_model",
     "engine_app",
     "error_response",
+    "freeze_heap",
     "guarded",
     "hot_headers",
     "new_app",
@@ -328,6 +330,7 @@ def engine_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         log.info("engine started: %s", engine.describe())
+        freeze_heap()
         yield
         await engine.stop(timeout=settings.server.drain_timeout_s)
         log.info("engine stopped")
@@ -365,6 +368,25 @@ def engine_app(
         return JSONResponse({"object": "list", "data": [entry]})
 
     return app
+
+
+def freeze_heap() -> int:
+    """Collect once, then move every object alive now (models, tokenizers, the app) out of
+    the collector's reach (`gc.freeze`, as vLLM does after start-up); returns how many.
+
+    A full collection walks every tracked object: with MiniLM and the app loaded, ~420k
+    objects and 0.27-0.35 s on this project's 2-core machine, a pause of the event loop and,
+    through the GIL, of the model thread. One runs when the objects that survived since the
+    last grow past a quarter of the long-lived ones: rare in steady serving (none in 4,000
+    one-line calls), but a long queue or a growing history makes one. Frozen, collections
+    walk only what came after start-up (the largest gen-1 pause in those 4,000 calls: 6.6 ms
+    unfrozen, 1.1 ms frozen).
+    """
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("start-up heap frozen: %d objects out of the garbage collector's scans", frozen)
+    return frozen
 
 
 def new_app(settings: Settings, lifespan: Any) -> FastAPI:

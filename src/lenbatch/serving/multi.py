@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput, ModelNotFound
 from lenbatch.serving.budget import ComputeBudget
-from lenbatch.serving.http import error_response, guarded, new_app
+from lenbatch.serving.http import error_response, freeze_heap, guarded, new_app
 from lenbatch.serving.lifecycle import EngineState
 from lenbatch.serving.routes import TASK_ROUTES, tasks_phrase
 from lenbatch.serving.services import Service
@@ -254,6 +254,7 @@ def build_router(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await group.start()
+        freeze_heap()
         yield
         await group.stop(timeout=settings.server.drain_timeout_s)
 
