@@ -8,6 +8,7 @@ from every decision point so that jitter cannot change which batch a request joi
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import numpy as np
@@ -40,7 +41,15 @@ async def run_engine(cfg: BatchingConfig) -> tuple[list[tuple[int, ...]], list[f
         await engine.embed([[101, *([2000] * (length - 2)), 102]])
         latencies[i] = time.monotonic() - start
 
-    await asyncio.gather(*(call(i, at, n) for i, (at, n) in enumerate(ARRIVALS)))
+    # No garbage collection while timing: late in the whole suite the process holds several
+    # models, and one full collection on the event loop took ~90 ms, more than the jitter
+    # this test allows (it compares the schedule, not the interpreter's pauses).
+    gc.collect()
+    gc.disable()
+    try:
+        await asyncio.gather(*(call(i, at, n) for i, (at, n) in enumerate(ARRIVALS)))
+    finally:
+        gc.enable()
     await engine.stop()
     return [b.lengths for b in runner.batches], latencies
 
