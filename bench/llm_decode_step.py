@@ -3,6 +3,8 @@
     bench/llm_decode_step.py --model smollm2 --rows 1,8,32 --cols 310 --steps 30 \\
         [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4] \\
         [--out bench/results/llm_decode_step.md]
+    bench/llm_decode_step.py --configs lean-bf16 --rows 8,24,32 --mixed 1x64,2x135 \\
+        --out bench/results/llm_mixed_step.md
 
 Each row count gets a running batch (`generate.kvcache.KVBatch`) of that many rows whose cache
 holds `--cols` columns (one real prompt prefilled once, its keys and values copied into every
@@ -14,6 +16,12 @@ turns step by step (A/B interleaved), so a load change on a shared machine hits 
 Configurations: `hf` is transformers' forward (`lean=False`), `lean` the lean Llama path
 (`runners.llama`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
 switch point to weight-only kernels) printed beside it. The processor key heads the table.
+
+`--mixed ROWSxCOLS,...` times, instead, what continuous batching runs on the lean path: for each
+row count and prompt chunk (ROWS prompts of COLS tokens of the same text), the decode step
+alone, the chunk's prefill alone (a fresh cache), and both in one forward
+(`runner.forward_segments`), the three interleaved step by step; the table gives the medians
+and one forward's time over the two apart.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lenbatch.generate.kvcache import KVBatch
+from lenbatch.runners.base import Segment
 from lenbatch.runners.causal import CausalLMRunner, new_cache, resolve_causal_model
 from lenbatch.runners.hardware import processor_key
 
@@ -95,6 +104,11 @@ def main() -> int:
     )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, help="write the table (markdown) here")
+    p.add_argument(
+        "--mixed",
+        metavar="ROWSxCOLS,...",
+        help="time these prompt chunks alone, the decode step alone, and both in one forward",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,6 +124,8 @@ def main() -> int:
     first = next(iter(runners.values()))
     ids = _prompt(first, args.cols)
     rows_list = [int(r) for r in args.rows.split(",")]
+    if args.mixed:
+        return _mixed_table(args, runners, ids, rows_list)
     table: dict[tuple[str, int], list[float]] = {}
     for rows in rows_list:
         batches = {n: _batch(r, ids, rows) for n, r in runners.items()}
@@ -129,11 +145,7 @@ def main() -> int:
         return r.lean.plan.describe() if r.lean is not None else "transformers forward"
 
     lines = [
-        f"Processor: `{processor_key()}`; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, Python {platform.python_version()}.",
-        "",
-        f"Command: `{' '.join(['bench/llm_decode_step.py', *sys.argv[1:]])}`",
-        "",
+        *_header(),
         "One decode step, ms: median (10th-90th percentile) of "
         f"{args.steps} steps at {args.cols} cached columns.",
         "",
@@ -143,11 +155,88 @@ def main() -> int:
     for n in names:
         cells = " | ".join(cell(table[(n, r)]) for r in rows_list)
         lines.append(f"| {n} | {plan(runners[n])} | {cells} |")
+    return _write(lines, args.out)
+
+
+def _header() -> list[str]:
+    return [
+        f"Processor: `{processor_key()}`; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}.",
+        "",
+        f"Command: `{' '.join(['bench/llm_decode_step.py', *sys.argv[1:]])}`",
+        "",
+    ]
+
+
+def _write(lines: list[str], out: Path | None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
+    if out:
+        out.write_text(text, encoding="utf-8")
     return 0
+
+
+def _segment(ids: list[int], rows: int, cols: int, cache: object) -> Segment:
+    """`rows` copies of the first `cols` tokens of `ids`, as a fresh prompt's chunk."""
+    x = torch.tensor([ids[:cols]] * rows)
+    pos = torch.arange(cols)[None].repeat(rows, 1)
+    return Segment(x, torch.ones_like(x), pos, cache)
+
+
+def _mixed_table(
+    args: argparse.Namespace,
+    runners: dict[str, CausalLMRunner],
+    ids: list[int],
+    rows_list: list[int],
+) -> int:
+    """Decode step, prompt chunk, and both in one forward, per config, rows and chunk."""
+    chunks = [tuple(int(v) for v in c.split("x")) for c in args.mixed.split(",")]
+    if any(len(c) != 2 or max(c[1], 1) > len(ids) for c in chunks):
+        raise SystemExit(f"--mixed wants ROWSxCOLS with COLS <= --cols ({args.cols})")
+    lines = [
+        *_header(),
+        f"Milliseconds, medians of {args.steps} of each, interleaved; the running batch's rows",
+        f"each hold {args.cols} cached columns.",
+        "",
+        "| config | running rows | prompt chunk | decode step | prefill chunk | both apart "
+        "| one forward | one / apart |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, runner in runners.items():
+        if not runner.mixes:
+            raise SystemExit(f"{name}: not on the lean path, no forward over several caches")
+        for rows in rows_list:
+            kv = _batch(runner, ids, rows)
+            for prompts, cols in chunks:
+                times: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": []}
+                for i in range(args.steps + 3):
+                    d = _step(runner, kv)
+                    seg = _segment(ids, prompts, cols, runner.new_cache())
+                    t0 = time.perf_counter()
+                    runner.forward(seg.input_ids, seg.mask, seg.positions, seg.cache)
+                    pf = time.perf_counter() - t0
+                    step_ids, step_mask, step_pos = kv.step_inputs()
+                    segs = [
+                        Segment(step_ids, step_mask, step_pos, kv.cache),
+                        _segment(ids, prompts, cols, runner.new_cache()),
+                    ]
+                    t0 = time.perf_counter()
+                    runner.forward_segments(segs)
+                    mx = time.perf_counter() - t0
+                    kv.rollback()
+                    if i >= 3:  # the first three warm up
+                        times["decode"].append(d)
+                        times["prefill"].append(pf)
+                        times["mixed"].append(mx)
+                med = {k: 1000 * statistics.median(v) for k, v in times.items()}
+                apart = med["decode"] + med["prefill"]
+                lines.append(
+                    f"| {name} | {rows} | {prompts} x {cols} | {med['decode']:.1f} | "
+                    f"{med['prefill']:.1f} | {apart:.1f} | {med['mixed']:.1f} | "
+                    f"{med['mixed'] / apart:.2f} |"
+                )
+            del kv
+    return _write(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -577,6 +577,12 @@ script_recipe(
     "--out", "bench/results/llm_decode_step.md",
 )  # fmt: skip
 script_recipe(
+    "llm-mixed-step", "llm_decode_step.py",
+    "A decode step and a prompt chunk apart and in one forward, lean bf16 (llm_mixed_step.md).",
+    "--configs", "lean-bf16", "--rows", "8,24,32", "--cols", "290", "--steps", "15",
+    "--mixed", "1x64,1x135,2x135", "--out", "bench/results/llm_mixed_step.md",
+)  # fmt: skip
+script_recipe(
     "bf16-agreement", "llm_bf16_agreement.py",
     "Batched greedy decoding in bf16 against fp32 generate() (llm_bf16_agreement.md).",
     "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",

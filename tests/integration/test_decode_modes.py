@@ -121,6 +121,11 @@ async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) ->
                 raise RuntimeError("boom")
             return real_forward(ids, *args)
 
+        def forward_segments(self, segments: Any) -> Any:  # a prefill chunk mixed with decode
+            if any(s.input_ids.shape[1] > 1 and (s.input_ids == poison).any() for s in segments):
+                raise RuntimeError("boom")
+            return llama_runner.forward_segments(segments)
+
     engine.decoder.runner = Flaky()  # type: ignore[assignment]
     prompts[2] = [*prompts[2][:3], poison, *prompts[2][3:]]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -192,6 +197,13 @@ async def test_a_failure_while_sampling_first_tokens_fails_that_prompt_alone(
             if ids.shape[1] > 1 and (ids == poison).any():
                 logits[(ids == poison).any(dim=1)] = float("nan")
             return logits
+
+        def forward_segments(self, segments: Any) -> Any:  # a prefill chunk mixed with decode
+            out = llama_runner.forward_segments(segments)
+            for s, logits in zip(segments, out, strict=True):
+                if s.input_ids.shape[1] > 1 and (s.input_ids == poison).any():
+                    logits[(s.input_ids == poison).any(dim=1)] = float("nan")
+            return out
 
     engine.decoder.runner = NaNOnPoison()  # type: ignore[assignment]
     prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]

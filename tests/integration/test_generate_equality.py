@@ -97,6 +97,26 @@ async def test_chunked_prefill_equals_generate_alone(
     assert max(chunks) < max(len(p) for p in prompts), "prefill was not chunked"
 
 
+@pytest.mark.parametrize("step_tokens", [6, 256])
+async def test_prefill_mixed_into_decode_steps_equals_generate_alone(
+    step_tokens: int, greedy_refs: dict[str, Any]
+) -> None:
+    """On the lean path, late joiners' prefill chunks run in one forward with the running
+    rows' decode step (mixed units); every request still gets generate()'s tokens alone. GPT-2
+    (transformers' forward) never mixes."""
+    runner, prompts, expected = greedy_refs["llama"]
+    engine = _engine(runner, DecodeMode.CONTINUOUS, step_tokens=step_tokens)
+    assert engine.decoder.mixer is not None
+    got, _ = await _run_with_late_joiners(
+        engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    )
+    assert got == expected
+    steps = engine.lm.stats()["steps"]
+    assert steps["mixed"]["count"] > 0, "no prefill chunk rode with a decode step"
+    gpt2 = _engine(greedy_refs["gpt2"][0], DecodeMode.CONTINUOUS)
+    assert gpt2.decoder.mixer is None
+
+
 async def test_seeded_sampling_is_the_same_alone_and_batched(llama_runner: Any) -> None:
     """A seeded sampled request draws the same tokens alone and inside a batch."""
     prompts = llama_runner.tokenize(PROMPTS)
@@ -160,7 +180,9 @@ async def test_prefill_out_of_memory_splits_and_retries_losing_nothing(
     assert got == expected
     assert faulty.faults["prefill_oom"] >= 2
     assert max(r * c for r, c in faulty.calls if c > 1) <= limit
-    assert engine.lm.stats()["out_of_memory"]["prefill"] == faulty.faults["prefill_oom"]
+    # a chunk mixed with a decode step (the lean path) that runs out of memory counts as mixed
+    ooms = engine.lm.stats()["out_of_memory"]
+    assert ooms.get("prefill", 0) + ooms.get("mixed", 0) == faulty.faults["prefill_oom"]
     assert not engine.unanswered
 
 

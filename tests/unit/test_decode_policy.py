@@ -15,14 +15,16 @@ class _Job:
     rows: int
     remaining: int
     max_cols: int | None = None
+    alone: bool = False
 
 
 @dataclass
 class _Core:
-    """The three facts a policy reads from the decode core."""
+    """The facts a policy reads from the decode core."""
 
     jobs: deque[Any] = field(default_factory=deque)
     running_rows: int = 0
+    mixer: Any = None  # not None: one forward can carry a decode step and a prefill chunk
 
     @property
     def pending_rows(self) -> int:
@@ -71,6 +73,30 @@ def test_continuous_chunks_prefill_under_the_step_budget_and_alternates() -> Non
     assert after is not None and after.kind == "decode"
     alone = p.next_unit(_Core(jobs=deque([_Job(4, 100)])), "prefill")  # type: ignore[arg-type]
     assert alone is not None and alone.kind == "prefill" and alone.cols == 16
+
+
+def test_continuous_mixes_chunks_into_decode_steps_where_the_runner_can() -> None:
+    """With a mixing runner every chunk rides with the decode step, under the same budget;
+    a job marked to run alone (after a mixed unit failed) alternates as without one, and
+    with nothing running a chunk runs alone."""
+    p = ContinuousPolicy(max_running=32, step_tokens=64)
+    core = _Core(jobs=deque([_Job(4, 100)]), running_rows=8, mixer=object())
+    for last in (None, "decode", "prefill", "mixed"):
+        unit = p.next_unit(core, last)  # type: ignore[arg-type]
+        assert unit is not None and unit.kind == "mixed" and unit.cols == (64 - 8) // 4
+        assert unit.job is core.jobs[0]
+    tail = _Core(jobs=deque([_Job(2, 5)]), running_rows=8, mixer=object())
+    unit = p.next_unit(tail, "mixed")  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "mixed" and unit.cols == 5  # the job's remainder
+    alone = _Core(jobs=deque([_Job(4, 100, alone=True)]), running_rows=8, mixer=object())
+    assert p.next_unit(alone, "decode").kind == "prefill"  # type: ignore[arg-type,union-attr]
+    assert p.next_unit(alone, "prefill").kind == "decode"  # type: ignore[arg-type,union-attr]
+    idle = _Core(jobs=deque([_Job(4, 100)]), mixer=object())
+    assert p.next_unit(idle, None).kind == "prefill"  # type: ignore[arg-type,union-attr]
+    assert p.next_unit(_Core(running_rows=3, mixer=object()), "mixed").kind == "decode"  # type: ignore[arg-type,union-attr]
+    # lockstep never mixes: it admits only into an empty engine
+    lock = LockstepPolicy(max_batch=8)
+    assert lock.next_unit(core, "decode").kind == "prefill"  # type: ignore[arg-type,union-attr]
 
 
 def test_continuous_chunk_is_at_least_one_column() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from lenbatch.generate.generation import Generation
 from lenbatch.generate.kvcache import KVBatch, cache_bytes
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.shapes import FixedShapes
-from lenbatch.runners.base import CausalRunner
+from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
 from lenbatch.serving.messages import Delta
 
 __all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next", "fill_from_tail"]
@@ -47,6 +47,9 @@ class PrefillJob:
     releases: bool = True
     # Most columns per prefill chunk after this job ran out of memory (None: the policy's).
     max_cols: int | None = None
+    # Prefilled in units of its own, never mixed with a decode step (after a mixed unit
+    # failed: alone, a failure is this job's or the running batch's, and recovered as such).
+    alone: bool = False
 
     @property
     def rows(self) -> int:
@@ -63,13 +66,14 @@ class PrefillJob:
 class UnitResult:
     """What one unit produced, for delivery and metrics."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed" (a decode step and a prefill chunk in one forward)
     deltas: list[tuple[Generation, Delta]] = field(default_factory=list)
     released_lanes: list[int] = field(default_factory=list)  # scheduler batches now done
     compute_s: float = 0.0
     rows: int = 0
-    tokens: int = 0  # prefill: real prompt tokens of the chunk; decode: real cached tokens
-    padded: int = 0  # prefill: chunk tokens incl. padding; decode: cache columns x rows
+    tokens: int = 0  # prefill: real prompt tokens of the chunk; decode, mixed: real cached tokens
+    padded: int = 0  # prefill: chunk tokens incl. padding; decode, mixed: cache columns x rows
+    prefill_tokens: int = 0  # mixed: real prompt tokens of its prefill chunk
     job: PrefillJob | None = None  # the prefill job this unit ran
     finished_job: bool = False
 
@@ -104,6 +108,14 @@ class Decoder:
     def running_rows(self) -> int:
         """Generations in the decode batch."""
         return len(self.rows)
+
+    @property
+    def mixer(self) -> MixingRunner | None:
+        """The runner, where one forward can carry a decode step and a prefill chunk (the lean
+        path); None elsewhere, and with fixed shapes (compiled for one or the other)."""
+        if self.shapes is None and getattr(self.runner, "mixes", False):
+            return cast(MixingRunner, self.runner)
+        return None
 
     @property
     def pending_rows(self) -> int:
@@ -147,6 +159,7 @@ class Decoder:
         pad_to: int | None = None,
         releases: bool = True,
         max_cols: int | None = None,
+        alone: bool = False,
     ) -> PrefillJob:
         """A prefill job of `gens` with a fresh cache, not queued.
 
@@ -161,12 +174,14 @@ class Decoder:
             position_ids=True,
         )
         cache = self.runner.new_cache()
-        return PrefillJob(lane, gens, batch, cache, releases=releases, max_cols=max_cols)
+        return PrefillJob(
+            lane, gens, batch, cache, releases=releases, max_cols=max_cols, alone=alone
+        )
 
     # ------------------------------------------------------------------ units
 
-    def prefill(self, job: PrefillJob, cols: int) -> UnitResult:
-        """Run the next `cols` prompt columns of `job`; after its last, sample first tokens."""
+    def _chunk(self, job: PrefillJob, cols: int) -> tuple[int, int, Segment]:
+        """Columns `[lo, hi)` of the next chunk of `job` (at most `cols`), and its inputs."""
         if job is not self.jobs[0]:
             raise RuntimeError("bug: prefill must run the oldest job first")
         b = job.batch
@@ -176,6 +191,12 @@ class Decoder:
         mask = torch.from_numpy(b.attention_mask[:, :hi]).to(dev)
         assert b.position_ids is not None
         pos = torch.from_numpy(b.position_ids[:, lo:hi]).to(dev)
+        return lo, hi, Segment(ids, mask, pos, job.cache)
+
+    def prefill(self, job: PrefillJob, cols: int) -> UnitResult:
+        """Run the next `cols` prompt columns of `job`; after its last, sample first tokens."""
+        lo, hi, seg = self._chunk(job, cols)
+        b = job.batch
         shapes = self.shapes
         start = self.now()
         if shapes is not None and lo == 0 and hi == b.width and shapes.prefill_fits(hi):
@@ -183,28 +204,43 @@ class Decoder:
         else:
             if shapes is not None:
                 shapes.graphs.count_eager()
-            logits = self.runner.forward(ids, mask, pos, job.cache)
+            logits = self.runner.forward(seg.input_ids, seg.mask, seg.positions, job.cache)
         end = self.now()
+        result = UnitResult("prefill", compute_s=end - start, rows=job.rows, job=job)
+        result.tokens, result.padded = self._chunk_ran(job, lo, hi, start, end)
+        if hi < b.width:
+            return result
+        # Sample before the job leaves the queue, so a failure here is still the job's own.
+        tokens = choose_next(logits, job.gens, self.runner.eos_token_ids)
+        self._prefilled(job, result, tokens, seg.mask, end)
+        return result
+
+    def _chunk_ran(
+        self, job: PrefillJob, lo: int, hi: int, start: float, end: float
+    ) -> tuple[int, int]:
+        """Record that columns `[lo, hi)` of `job` ran from `start` to `end`; returns (real,
+        padded) tokens of the chunk."""
         for g in job.gens:
             t = g.timings
             if lo == 0:
                 t.prefill_start = start
             t.prefill_compute += end - start
         job.done_cols = hi
-        real = int(b.attention_mask[:, lo:hi].sum())
-        result = UnitResult("prefill", compute_s=end - start, rows=job.rows, tokens=real, job=job)
-        result.padded = job.rows * (hi - lo)
         self.kv_bytes()
-        if hi < b.width:
-            return result
-        # Sample before the job leaves the queue, so a failure here is still the job's own.
-        tokens = choose_next(logits, job.gens, self.runner.eos_token_ids)
+        return int(job.batch.attention_mask[:, lo:hi].sum()), job.rows * (hi - lo)
+
+    def _prefilled(
+        self, job: PrefillJob, result: UnitResult, tokens: list[int], mask: torch.Tensor, end: float
+    ) -> None:
+        """`job`'s last chunk ran and its first `tokens` are chosen: deliver them and move its
+        rows into the running batch."""
         self.jobs.popleft()
         result.finished_job = True
         for g in job.gens:
             g.timings.prefill_end = end
         self._deliver(result, job.gens, tokens)
-        next_pos = torch.tensor(b.lengths, dtype=torch.long, device=dev)
+        dev = self.runner.device
+        next_pos = torch.tensor(job.batch.lengths, dtype=torch.long, device=dev)
         last = torch.tensor(tokens, dtype=torch.long, device=dev)
         # The prefill's keys and values are copied once, into the running batch's buffers
         # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
@@ -215,6 +251,41 @@ class Decoder:
         self.rows.extend(job.gens)
         result.released_lanes.extend(self.release(job))
         result.released_lanes.extend(self._drop_done())
+
+    def mixed(self, job: PrefillJob, cols: int) -> UnitResult:
+        """A decode step for every running row and the next `cols` prompt columns of `job`, in
+        one forward pass (`runner.forward_segments`): the weights are read once for both, and
+        running streams get their next token while a prompt is prefilled."""
+        dropped = self._drop_done()
+        kv = self.running
+        if kv is None or not self.rows:  # every running row ended: a prefill chunk alone
+            result = self.prefill(job, cols)
+            result.released_lanes[:0] = dropped
+            return result
+        lo, hi, seg = self._chunk(job, cols)
+        ids, mask, pos = kv.step_inputs()
+        start = self.now()
+        mixer = self.mixer
+        if mixer is None:
+            raise RuntimeError("bug: a mixed unit on a runner that cannot mix")
+        logits, prompt_logits = mixer.forward_segments([Segment(ids, mask, pos, kv.cache), seg])
+        end = self.now()
+        eos = self.runner.eos_token_ids
+        # Both samples are drawn before any state changes: a failure up to here leaves the
+        # running batch as it was once its cache is rolled back (`generate.failures`).
+        tokens = choose_next(logits, self.rows, eos)
+        first = choose_next(prompt_logits, job.gens, eos) if hi == job.batch.width else None
+        result = UnitResult("mixed", released_lanes=dropped, compute_s=end - start, job=job)
+        kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
+        self._deliver(result, self.rows, tokens)
+        result.rows = kv.rows
+        result.tokens = kv.real_tokens
+        result.padded = kv.rows * kv.width
+        result.prefill_tokens, _ = self._chunk_ran(job, lo, hi, start, end)
+        if first is not None:
+            self._prefilled(job, result, first, seg.mask, end)
+        else:
+            result.released_lanes.extend(self._drop_done())
         return result
 
     def decode(self) -> UnitResult:

@@ -369,10 +369,12 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
 
     def _run(self, unit: Unit) -> UnitResult:
         """Worker thread: run one unit."""
-        if unit.kind == "prefill":
-            assert unit.job is not None
-            return self.decoder.prefill(unit.job, unit.cols)
-        return self.decoder.decode()
+        if unit.kind == "decode":
+            return self.decoder.decode()
+        assert unit.job is not None
+        if unit.kind == "mixed":
+            return self.decoder.mixed(unit.job, unit.cols)
+        return self.decoder.prefill(unit.job, unit.cols)
 
     def _update(self, executed: UnitResult | Recovery) -> None:
         """Event loop: deliver what a unit produced, or end what its failure cost."""

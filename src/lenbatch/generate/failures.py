@@ -8,6 +8,10 @@
 * A decode step that raises loses the whole running batch (`ModelFailed`); one that runs out of
   memory is undone and hands its newest half back to prefill (recomputed over prompt and
   generated tokens, so nothing is lost), a single row failing.
+* A mixed unit (a decode step and a prefill chunk in one forward) that raises cannot say which
+  half failed: its decode step is undone and its job starts over from its first column, marked
+  to run alone; the next units then fail, if they do, as a prefill or a decode step, and are
+  recovered as above. Nobody fails for another's prompt.
 
 `recover` runs on the event loop between units (the worker is idle then), changes the
 `Decoder`'s jobs and running batch, and returns a `Recovery`: which generations end with which
@@ -36,7 +40,7 @@ MIN_OOM_CHUNK = 8
 class Recovery:
     """What `recover` did about a unit that raised."""
 
-    kind: str  # the unit's kind: "prefill" or "decode"
+    kind: str  # the unit's kind: "prefill", "decode" or "mixed"
     out_of_memory: bool
     failed: list[tuple[Generation, LenbatchError]] = field(default_factory=list)
     released_lanes: list[int] = field(default_factory=list)  # scheduler batches now done
@@ -46,6 +50,10 @@ def recover(decoder: Decoder, unit: Unit, exc: Exception) -> Recovery:
     """Deal with `exc`, raised by `unit`: split and retry what can be, fail the rest."""
     name = type(exc).__name__
     oom = is_out_of_memory(exc)
+    if unit.kind == "mixed" and unit.job is not None:
+        log.warning("a decode step mixed with a prefill chunk failed (%s); unmixing", name)
+        _unmix(decoder, unit.job)
+        return Recovery(unit.kind, oom)
     prefill = unit.kind == "prefill" and unit.job is not None
     if oom and prefill:
         assert unit.job is not None
@@ -68,6 +76,27 @@ def recover(decoder: Decoder, unit: Unit, exc: Exception) -> Recovery:
     return Recovery(unit.kind, oom, [(g, err) for g in lost], lanes)
 
 
+def _unmix(decoder: Decoder, job: PrefillJob) -> None:
+    """A mixed unit raised: undo the decode step's partial cache writes and restart `job`
+    from its first column with a fresh cache, to run alone."""
+    if decoder.running is not None:
+        decoder.running.rollback()
+    if job in decoder.jobs:
+        decoder.jobs.remove(job)
+    retry = PrefillJob(
+        job.lane,
+        job.gens,
+        job.batch,
+        decoder.runner.new_cache(),
+        releases=job.releases,
+        max_cols=job.max_cols,
+        alone=True,
+    )
+    for g in job.gens:
+        g.timings.prefill_compute = 0.0
+    decoder.jobs.appendleft(retry)
+
+
 def _requeue_halves(decoder: Decoder, job: PrefillJob, max_cols: int | None) -> None:
     """Put the two halves of `job` at the head of the prefill queue, each with a fresh cache
     and chunks of at most `max_cols` columns; only the second frees the scheduler slot (the
@@ -75,7 +104,9 @@ def _requeue_halves(decoder: Decoder, job: PrefillJob, max_cols: int | None) -> 
     mid = job.rows // 2
     halves = [(job.gens[:mid], False), (job.gens[mid:], job.releases)]
     for gens, releases in reversed(halves):
-        half = decoder.new_job(job.lane, gens, releases=releases, max_cols=max_cols)
+        half = decoder.new_job(
+            job.lane, gens, releases=releases, max_cols=max_cols, alone=job.alone
+        )
         decoder.jobs.appendleft(half)
 
 
@@ -112,6 +143,7 @@ def _split_job(decoder: Decoder, job: PrefillJob, cols: int) -> tuple[list[Gener
         decoder.runner.new_cache(),
         releases=job.releases,
         max_cols=smaller,
+        alone=job.alone,
     )
     decoder.jobs.appendleft(retry)
     return [], []

@@ -93,8 +93,8 @@ class LMMetrics(Series):
         self._tokens = 0
         self._decode_real = 0
         self._decode_padded = 0
-        self._step_s = {"prefill": 0.0, "decode": 0.0}
-        self._step_n = {"prefill": 0, "decode": 0}
+        self._step_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
+        self._step_n = {"prefill": 0, "decode": 0, "mixed": 0}
         self._decode_rows = 0
         self._kv = {"bytes": 0, "real_bytes": 0, "peak_bytes": 0}
 
@@ -121,12 +121,13 @@ class LMMetrics(Series):
         self.prompt_tokens.inc(prompt_tokens)
 
     def record_step(self, kind: str, compute_s: float, rows: int, real: int, padded: int) -> None:
-        """One unit ran; for decode steps `real` / `padded` are attended cache columns."""
+        """One unit ran; for decode steps (and mixed units, whose decode step is counted as
+        one) `real` / `padded` are attended cache columns."""
         self.steps.labels(kind).inc()
         self.step_time.labels(kind).observe(compute_s)
         self._step_s[kind] = self._step_s.get(kind, 0.0) + compute_s
         self._step_n[kind] = self._step_n.get(kind, 0) + 1
-        if kind == "decode":
+        if kind in ("decode", "mixed"):
             self._decode_rows += rows
             self.decode_rows.observe(rows)
             self.kv_real.inc(real)
@@ -160,6 +161,7 @@ class LMMetrics(Series):
     def stats(self) -> dict[str, Any]:
         """JSON-ready summary: TTFT and its stages, ITL, e2e, throughput, decode KV waste."""
         up = time.time() - self.started
+        decode_steps = self._step_n["decode"] + self._step_n["mixed"]
         return {
             "ttft_ms": percentiles_ms(self._ttft),
             "ttft_stages_ms": {
@@ -182,7 +184,5 @@ class LMMetrics(Series):
                 }
                 for kind, n in self._step_n.items()
             },
-            "decode_mean_rows": self._decode_rows / self._step_n["decode"]
-            if self._step_n["decode"]
-            else None,
+            "decode_mean_rows": self._decode_rows / decode_steps if decode_steps else None,
         }

@@ -8,8 +8,12 @@ length bucketing, max wait and the token budget mean the same in both; they diff
   nobody joins until the batch is empty.
 * `continuous`: iteration-level scheduling. New batches are admitted whenever the running batch
   has room (`max_running`); they are prefilled in chunks of at most `step_tokens` tokens minus the
-  running rows, alternating with decode steps, so a long prompt never stalls running streams for
-  more than one chunk; when its prefill is done a batch's rows join the running decode batch.
+  running rows, so a long prompt never stalls running streams for more than one chunk; when its
+  prefill is done a batch's rows join the running decode batch. Where the runner can (the lean
+  Llama path, `Decoder.mixer`), each chunk runs in one forward with the running rows' decode
+  step (a "mixed" unit, as vLLM's and llama.cpp's steps carry prompt and decode tokens
+  together): the weights are read once for both and running streams keep getting tokens while
+  a prompt is prefilled. Elsewhere prefill chunks and decode steps alternate.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ __all__ = ["ContinuousPolicy", "DecodePolicy", "LockstepPolicy", "Unit", "make_p
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """One step of work: a prefill chunk of `cols` columns of `job`, or a decode step."""
+    """One step of work: a prefill chunk of `cols` columns of `job`, a decode step, or both in
+    one forward ("mixed")."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "mixed"]
     job: PrefillJob | None = None
     cols: int = 0
 
@@ -83,14 +88,19 @@ class ContinuousPolicy:
         return max(0, self.max_running - decoder.running_rows - decoder.pending_rows)
 
     def next_unit(self, decoder: Decoder, last: str | None) -> Unit | None:
-        """Alternate prefill chunks and decode steps while both have work."""
-        if decoder.jobs and (not decoder.running_rows or last != "prefill"):
+        """A prefill chunk mixed with the decode step where the runner can, else prefill
+        chunks and decode steps in turn while both have work."""
+        if decoder.jobs:
             job = decoder.jobs[0]
             budget = self.step_tokens - decoder.running_rows
             cols = max(1, budget // job.rows)
             if job.max_cols is not None:
                 cols = min(cols, job.max_cols)
-            return Unit("prefill", job, min(cols, job.remaining))
+            cols = min(cols, job.remaining)
+            if decoder.running_rows and decoder.mixer is not None and not job.alone:
+                return Unit("mixed", job, cols)
+            if not decoder.running_rows or last != "prefill":
+                return Unit("prefill", job, cols)
         if decoder.running_rows:
             return Unit("decode")
         return None

@@ -89,6 +89,8 @@ class _Core:
 
     jobs: deque[_Job] = field(default_factory=deque)
     rows: list[_Row] = field(default_factory=list)
+    # The simulator runs prefill chunks and decode steps as separate units (no mixed forward).
+    mixer: None = None
 
     @property
     def running_rows(self) -> int:

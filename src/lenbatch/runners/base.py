@@ -25,10 +25,12 @@ if TYPE_CHECKING:  # torch only for annotations: the protocols import without it
 __all__ = [
     "CausalRunner",
     "EmbeddingRunner",
+    "MixingRunner",
     "ModelInfo",
     "PackedEmbeddingRunner",
     "RunnerMemory",
     "ScoringRunner",
+    "Segment",
 ]
 
 
@@ -49,6 +51,17 @@ class ModelInfo:
     # when a call names none (config_sentence_transformers.json, or `--default-prompt-name`)
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One part of a forward pass: `input_ids` `[rows, new]`, the padding `mask` over the
+    cached and new columns, per-row `positions` of the new columns, and the segment's `cache`."""
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,4 +153,17 @@ class CausalRunner(Protocol):
 
     def memory(self) -> RunnerMemory:
         """Weights and activation memory."""
+        ...
+
+
+@runtime_checkable
+class MixingRunner(CausalRunner, Protocol):
+    """A causal LM whose one forward pass can carry several segments, each with its own cache
+    (a decode step of the running batch and a prompt's prefill chunk), where `mixes` is True."""
+
+    mixes: bool
+
+    def forward_segments(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Each segment's last-column logits `[rows, vocab]`; every cache grows by its
+        segment's new columns."""
         ...

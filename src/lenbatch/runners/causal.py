@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lenbatch.runners.base import ModelInfo, RunnerMemory
+from lenbatch.runners.base import ModelInfo, RunnerMemory, Segment
 from lenbatch.runners.hardware import check_quantization, resolve_precision
 from lenbatch.runners.llama import LeanLlama, lean_unsupported
 from lenbatch.runners.memory import current_rss, peak_rss
@@ -262,6 +262,22 @@ class CausalLMRunner:
         if self.lean is not None:
             return self.lean.forward(input_ids, mask, positions, cache)
         return last_logits(self.model, input_ids, mask, positions, cache)
+
+    @property
+    def mixes(self) -> bool:
+        """True when one forward pass can carry several segments (`forward_segments`): the
+        lean Llama path; transformers' forward takes one cache per call."""
+        return self.lean is not None
+
+    @torch.no_grad()
+    def forward_segments(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Each segment's last-column logits from one forward pass (`LeanLlama.forward_segments`:
+        the matrix products run once over every segment's tokens); only where `mixes`."""
+        if self.lean is None:
+            raise RuntimeError(
+                f"{self.info.name}: one forward over several caches needs the lean path"
+            )
+        return self.lean.forward_segments(segments)
 
     def warm_up(self) -> None:
         """One small prefill and decode step, so the first request does not pay for lazy

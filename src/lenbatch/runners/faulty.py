@@ -138,17 +138,36 @@ class FaultyCausalRunner:
 
     def forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
         """The inner forward, or an injected out-of-memory error (see the class doc)."""
-        rows, cols = int(input_ids.shape[0]), int(input_ids.shape[1])
+        shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
+        self._before([shape])
+        out = self.inner.forward(input_ids, mask, positions, cache)
+        self._after([shape])
+        return out
+
+    def forward_segments(self, segments: Any) -> Any:
+        """One forward over several segments (the inner runner's), with the same faults as
+        `forward` applied to each segment."""
+        shapes = [(int(s.input_ids.shape[0]), int(s.input_ids.shape[1])) for s in segments]
+        self._before(shapes)
+        out = self.inner.forward_segments(segments)
+        self._after(shapes)
+        return out
+
+    def _before(self, shapes: list[tuple[int, int]]) -> None:
+        """A prefill over the token limit raises before anything runs."""
         limit = self.oom_prefill_tokens
-        if cols > 1 and limit is not None and rows * cols > limit:
-            self.faults["prefill_oom"] = self.faults.get("prefill_oom", 0) + 1
-            raise MemoryError(f"injected: prefill of {rows}x{cols} tokens > {limit}")
-        if cols == 1 and self.oom_decode_rows is not None and rows > self.oom_decode_rows:
-            self.inner.forward(input_ids, mask, positions, cache)  # the cache is written
-            self.faults["decode_oom"] = self.faults.get("decode_oom", 0) + 1
-            raise MemoryError(f"injected: decode step of {rows} rows > {self.oom_decode_rows}")
-        self.calls.append((rows, cols))
-        return self.inner.forward(input_ids, mask, positions, cache)
+        for rows, cols in shapes:
+            if cols > 1 and limit is not None and rows * cols > limit:
+                self.faults["prefill_oom"] = self.faults.get("prefill_oom", 0) + 1
+                raise MemoryError(f"injected: prefill of {rows}x{cols} tokens > {limit}")
+
+    def _after(self, shapes: list[tuple[int, int]]) -> None:
+        """A decode step over the row limit raises after the cache was written."""
+        for rows, cols in shapes:
+            if cols == 1 and self.oom_decode_rows is not None and rows > self.oom_decode_rows:
+                self.faults["decode_oom"] = self.faults.get("decode_oom", 0) + 1
+                raise MemoryError(f"injected: decode step of {rows} rows > {self.oom_decode_rows}")
+        self.calls.extend(shapes)
 
 
 _SPEC_KEYS = {

@@ -25,12 +25,14 @@ fixed-shape buffers work unchanged. In float32 with plain `F.linear`, greedy dec
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import decode_attention_op
 from lenbatch.runners.weightonly import LinearPlan, RowLinear, make_linear
 
@@ -213,42 +215,73 @@ class LeanLlama:
     ) -> torch.Tensor:
         """Logits `[rows, vocab]` (float32) of the last column; the new columns' keys and
         values go into `cache` (`cache.update(k, v, layer)`), as the runner's HF path does."""
-        rows, new = input_ids.shape
+        return self.forward_segments([Segment(input_ids, mask, positions, cache)])[0]
+
+    @torch.no_grad()
+    def forward_segments(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """One forward pass over several segments, each with its own cache (e.g. the running
+        batch's decode step and a prompt's prefill chunk): the matrix products run once over
+        every segment's tokens together (one pass over the weights), RoPE, the cache update
+        and attention run per segment. Returns each segment's last-column logits
+        `[rows, vocab]` (float32), in order."""
         nh, nkv, hd, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
-        h = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions]  # [rows, new, head_dim]
-        sin = self.sin[positions]
+        sizes = [s.input_ids.shape for s in segments]
+        counts = [int(r) * int(n) for r, n in sizes]
+        offsets = [sum(counts[:j]) for j in range(len(counts))]
+        tokens = sum(counts)
+        one = len(segments) == 1
+        ids = [s.input_ids.reshape(-1) for s in segments]
+        h = F.embedding(ids[0] if one else torch.cat(ids), self.embed)  # [tokens, hidden]
+        tables = [(self.cos[s.positions], self.sin[s.positions]) for s in segments]
+        masks = [self.attention_mask(s.mask, int(s.input_ids.shape[1])) for s in segments]
         kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
-        attn_mask = self.attention_mask(mask, new)
-        tokens = rows * new
         shape = (hidden,)
         x = F.rms_norm(h, shape, self.layers[0].ln1, self.eps)
         last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x.view(tokens, hidden), tokens).view(rows, new, nh + 2 * nkv, hd)
-            if kernel is not None:  # queries and keys rotated in place, one pass
-                qkv = qkv.contiguous()  # (a no-op: a linear's output is)
-                kernel.rope(qkv, cos, sin, nh + nkv)
-                qkv = qkv.transpose(1, 2)
-                q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
-            else:
-                qkv = qkv.transpose(1, 2)
-                q = self._rotate(qkv[:, :nh], cos[:, None], sin[:, None])
-                k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
-            v = qkv[:, nh + nkv :]
-            keys, values = cache.update(k, v, i)
-            a = self._attend(q, keys, values, attn_mask).transpose(1, 2).reshape(tokens, nh * hd)
-            h, x = self._add_norm(h, layer.o(a, tokens).view(rows, new, hidden), layer.ln2)
-            gu = layer.gate_up(x.view(tokens, hidden), tokens)
+            qkv_all = layer.qkv(x, tokens)
+            parts = []
+            for j, seg in enumerate(segments):
+                rows, new = sizes[j]
+                qkv = qkv_all[offsets[j] : offsets[j] + counts[j]].view(rows, new, nh + 2 * nkv, hd)
+                cos, sin = tables[j]
+                if kernel is not None:  # queries and keys rotated in place, one pass
+                    kernel.rope(qkv, cos, sin, nh + nkv)
+                    qkv = qkv.transpose(1, 2)
+                    q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+                else:
+                    qkv = qkv.transpose(1, 2)
+                    q = self._rotate(qkv[:, :nh], cos[:, None], sin[:, None])
+                    k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
+                v = qkv[:, nh + nkv :]
+                keys, values = seg.cache.update(k, v, i)
+                a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
+                parts.append(a.reshape(counts[j], nh * hd))
+            a = parts[0] if one else torch.cat(parts)
+            h, x = self._add_norm(h, layer.o(a, tokens), layer.ln2)
+            gu = layer.gate_up(x, tokens)
             if kernel is not None and gu.dim() == 2 and gu.is_contiguous():
                 act = kernel.silu_mul(gu)  # one pass, one rounding
             else:
                 gate, up = gu.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            down = layer.down(act, tokens).view(rows, new, hidden)
+            down = layer.down(act, tokens)
             if i < last_layer:
                 h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
             else:
                 h = h + down
-        last = F.rms_norm(h[:, -1], shape, self.norm, self.eps)
-        return self.lm_head(last, rows).float()
+        if one:
+            rows, new = sizes[0]
+            last_h = h.view(rows, new, hidden)[:, -1]
+        else:
+            # each row's last column: row r of segment j sits at offsets[j] + r * new + new - 1
+            idx = torch.cat(
+                [
+                    torch.arange(int(r), device=h.device) * int(n) + (off + int(n) - 1)
+                    for (r, n), off in zip(sizes, offsets, strict=True)
+                ]
+            )
+            last_h = h.index_select(0, idx)
+        last = F.rms_norm(last_h, shape, self.norm, self.eps)
+        logits = self.lm_head(last, int(last.shape[0])).float()
+        return [logits] if one else list(logits.split([int(r) for r, _ in sizes]))
