@@ -583,6 +583,12 @@ script_recipe(
     "--mixed", "1x64,1x135,2x135", "--out", "bench/results/llm_mixed_step.md",
 )  # fmt: skip
 script_recipe(
+    "omp-pools", "omp_pools.py",
+    "Small parallel ops on the thread that started OpenMP's first pool vs a second thread "
+    "(omp_pools.md).",
+    "--threads", "2", "--repeats", "20", "--rounds", "2", "--out", "bench/results/omp_pools.md",
+)  # fmt: skip
+script_recipe(
     "bf16-agreement", "llm_bf16_agreement.py",
     "Batched greedy decoding in bf16 against fp32 generate() (llm_bf16_agreement.md).",
     "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",

@@ -294,7 +294,15 @@ def run(args: argparse.Namespace) -> int:
 
 def build_model(settings: Settings, length_log: Any = None) -> Any:
     """One model's engine and the app it has alone, as a `serving.multi.ServedModel` (what
-    `serve` runs, alone or beside other models)."""
+    `serve` runs, alone or beside other models). Built on the process's torch thread
+    (`serving.torchthread`), so the main thread, which runs the event loop, never starts an
+    OpenMP pool of its own and the generation engine runs on the thread that loaded it."""
+    from lenbatch.serving.torchthread import on_torch_thread
+
+    return on_torch_thread(_build_model, settings, length_log)
+
+
+def _build_model(settings: Settings, length_log: Any = None) -> Any:
     from lenbatch.runners import load_runner
     from lenbatch.runners.causal import resolve_causal_model
     from lenbatch.runners.tasks import resolve_task

@@ -118,6 +118,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             metrics_label=f"{label}+{self.mode}",
             workers=1,
             name="lenbatch-decode",
+            # one unit at a time on every torch thread: on the thread the model was loaded on
+            torch_thread=True,
             length_log=length_log,
         )
         self.policy: DecodePolicy = make_policy(self.generation, self.batching.max_batch)

@@ -23,6 +23,7 @@ from lenbatch.serving.ledger import Ledger
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState, Lifecycle
 from lenbatch.serving.metrics import Metrics
+from lenbatch.serving.torchthread import torch_executor
 
 __all__ = ["BaseEngine"]
 
@@ -45,6 +46,7 @@ class BaseEngine(Lifecycle[T]):
         workers: int,
         name: str,
         length_log: LengthLog | None = None,
+        torch_thread: bool = False,
     ) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.cfg = lanes.cfg  # what the scheduler runs with now (subclasses may narrow it)
@@ -66,7 +68,14 @@ class BaseEngine(Lifecycle[T]):
             )
         )
         self._name = name
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        # `torch_thread`: run units on the process's one torch thread (`serving.torchthread`:
+        # the thread the models were loaded on), not on threads of this engine's own.
+        self._shared_executor = torch_thread
+        self._executor = (
+            torch_executor()
+            if torch_thread
+            else ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        )
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         # Several models in one process: the CPU budget whose turns the model calls take.
@@ -126,10 +135,15 @@ class BaseEngine(Lifecycle[T]):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._shared_executor:
+            if self._join_workers_on_stop:  # the unit in flight, if any, finishes first
+                await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
+            return
         self._executor.shutdown(wait=self._join_workers_on_stop)
 
     def _release(self) -> None:
-        self._executor.shutdown(wait=False)
+        if not self._shared_executor:
+            self._executor.shutdown(wait=False)
 
     # ------------------------------------------------------------------ the loop's wake-up
 
@@ -182,3 +196,7 @@ class BaseEngine(Lifecycle[T]):
         """Prometheus exposition: the per-bucket series, then the engine's own."""
         self.refresh_memory()
         return self.metrics.prometheus() + self._extra_prometheus()
+
+
+def _nothing() -> None:
+    """A no-op to queue behind a shared executor's work."""
