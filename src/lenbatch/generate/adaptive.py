@@ -11,7 +11,8 @@ and decides each step:
 * **room** (`AdaptiveGenPolicy.capacity`): the most rows whose decode step, plus the prefill chunk
   that may run between two steps, fits the inter-token SLO (never above `max_running`);
 * **chunk** (`next_unit`): prefill columns sized so that chunk + decode step fit the same budget
-  while rows are decoding, the whole prompt when nothing is;
+  while rows are decoding, the whole prompt when nothing is; where the runner can, the chunk
+  runs in one forward with the decode step (a mixed unit, as in `continuous`);
 * **admission at the door** (`refusal`): the request's predicted first-token time (prefill work
   ahead of it at its priority or above, interleaved with decode steps, plus the wait for a row
   when the batch is full) against its TTFT deadline; refused with 429/503 and `Retry-After` only
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from lenbatch.config import AdaptiveConfig, GenerationConfig, ShedMode
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
@@ -83,6 +84,12 @@ class _Result(Protocol):
     @property
     def compute_s(self) -> float: ...
 
+    @property
+    def prefill_rows(self) -> int: ...
+
+    @property
+    def prefill_padded(self) -> int: ...
+
 
 class _Core(Protocol):
     """What the policy reads from the decoder (`generate.decode.Decoder`)."""
@@ -95,6 +102,9 @@ class _Core(Protocol):
 
     @property
     def jobs(self) -> Any: ...
+
+    @property
+    def mixer(self) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,14 +169,29 @@ class GenCosts:
 
     def observe(self, result: _Result, turn_s: float | None = None) -> None:
         """Learn from one unit: the model call's seconds go to its cost model; the whole loop
-        turn (`turn_s`, when measured) against the prediction moves `drift`."""
+        turn (`turn_s`, when measured) against the prediction moves `drift`.
+
+        A mixed unit (a decode step and a prefill chunk in one forward) teaches the prefill
+        model what the chunk added to the decode step the decode model predicts: the chunk's
+        cost beside a step, which is what chunk sizing and the first-token prediction add to
+        the steps they count."""
         if result.rows < 1 or result.padded < 1:
             return
         width = result.padded / result.rows
-        model = self.prefill if result.kind == "prefill" else self.decode
-        predicted = model.seconds(result.rows, width)
-        model.observe(result.rows, max(1, round(width)), result.compute_s)
-        if result.kind == "decode":
+        if result.kind == "mixed":
+            step = self.decode.seconds(result.rows, width)
+            predicted = step
+            prows = result.prefill_rows
+            if prows >= 1 and result.prefill_padded >= 1:
+                pcols = result.prefill_padded / prows
+                predicted += self.prefill.seconds(prows, pcols)
+                added = max(result.compute_s - step, 0.0)
+                self.prefill.observe(prows, max(1, round(pcols)), added)
+        else:
+            model = self.prefill if result.kind == "prefill" else self.decode
+            predicted = model.seconds(result.rows, width)
+            model.observe(result.rows, max(1, round(width)), result.compute_s)
+        if result.kind != "prefill":
             self.width += 0.1 * (width - self.width)
         if turn_s is not None and turn_s > 0 and predicted > 0:
             ratio = min(4.0, max(0.25, turn_s / predicted))
@@ -247,15 +272,19 @@ class AdaptiveGenPolicy:
         return max(MIN_CHUNK, cols)
 
     def next_unit(self, decoder: _Core, last: str | None) -> Unit | None:
-        """Alternate priced prefill chunks and decode steps; a prompt with nothing decoding
-        is prefilled whole."""
+        """Priced prefill chunks, each in one forward with the decode step where the runner
+        can (else chunks and decode steps in turn); a prompt with nothing decoding is
+        prefilled whole."""
         running = decoder.running_rows
-        if decoder.jobs and (not running or last != "prefill"):
+        if decoder.jobs:
             job = decoder.jobs[0]
-            cols = job.remaining if not running else self.chunk_cols(job.rows, running)
-            if job.max_cols is not None:
-                cols = min(cols, job.max_cols)
-            return Unit("prefill", job, max(1, min(cols, job.remaining)))
+            mixed = bool(running) and decoder.mixer is not None and not job.alone
+            if mixed or not running or last != "prefill":
+                cols = job.remaining if not running else self.chunk_cols(job.rows, running)
+                if job.max_cols is not None:
+                    cols = min(cols, job.max_cols)
+                kind: Literal["prefill", "mixed"] = "mixed" if mixed else "prefill"
+                return Unit(kind, job, max(1, min(cols, job.remaining)))
         if running:
             return Unit("decode")
         return None

@@ -74,6 +74,8 @@ class UnitResult:
     tokens: int = 0  # prefill: real prompt tokens of the chunk; decode, mixed: real cached tokens
     padded: int = 0  # prefill: chunk tokens incl. padding; decode, mixed: cache columns x rows
     prefill_tokens: int = 0  # mixed: real prompt tokens of its prefill chunk
+    prefill_rows: int = 0  # mixed: rows of its prefill chunk
+    prefill_padded: int = 0  # mixed: its chunk's tokens incl. padding (rows x columns)
     job: PrefillJob | None = None  # the prefill job this unit ran
     finished_job: bool = False
 
@@ -281,7 +283,8 @@ class Decoder:
         result.rows = kv.rows
         result.tokens = kv.real_tokens
         result.padded = kv.rows * kv.width
-        result.prefill_tokens, _ = self._chunk_ran(job, lo, hi, start, end)
+        result.prefill_rows = job.rows
+        result.prefill_tokens, result.prefill_padded = self._chunk_ran(job, lo, hi, start, end)
         if first is not None:
             self._prefilled(job, result, first, seg.mask, end)
         else:

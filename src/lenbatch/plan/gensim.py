@@ -64,6 +64,7 @@ class _Job:
     width: int
     done_cols: int = 0
     max_cols: int | None = None
+    alone: bool = False
 
     @property
     def rows(self) -> int:
@@ -214,6 +215,8 @@ class _Figures:
     rows: int
     padded: int
     compute_s: float
+    prefill_rows: int = 0  # the simulator runs no mixed units
+    prefill_padded: int = 0
 
 
 def _learn(policy: AdaptiveGenPolicy | None, kind: str, rows: int, padded: int, s: float) -> None:
