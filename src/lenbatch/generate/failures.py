@@ -83,17 +83,23 @@ def _unmix(decoder: Decoder, job: PrefillJob) -> None:
         decoder.running.rollback()
     if job in decoder.jobs:
         decoder.jobs.remove(job)
+    for g in job.gens:
+        g.timings.prefill_compute = 0.0
+    _restart(decoder, job, job.max_cols, alone=True)
+
+
+def _restart(decoder: Decoder, job: PrefillJob, max_cols: int | None, *, alone: bool) -> None:
+    """Put `job` back at the head of the prefill queue from its first column, with a fresh
+    cache (a failed unit may have written some layers' caches and not others)."""
     retry = PrefillJob(
         job.lane,
         job.gens,
         job.batch,
         decoder.runner.new_cache(),
         releases=job.releases,
-        max_cols=job.max_cols,
-        alone=True,
+        max_cols=max_cols,
+        alone=alone,
     )
-    for g in job.gens:
-        g.timings.prefill_compute = 0.0
     decoder.jobs.appendleft(retry)
 
 
@@ -135,17 +141,7 @@ def _split_job(decoder: Decoder, job: PrefillJob, cols: int) -> tuple[list[Gener
     smaller = min(cols, job.batch.width) // 2
     if smaller < MIN_OOM_CHUNK:
         return job.gens, decoder.release(job)
-    # The failed chunk may have written some layers' caches and not others: start over.
-    retry = PrefillJob(
-        job.lane,
-        job.gens,
-        job.batch,
-        decoder.runner.new_cache(),
-        releases=job.releases,
-        max_cols=smaller,
-        alone=job.alone,
-    )
-    decoder.jobs.appendleft(retry)
+    _restart(decoder, job, smaller, alone=job.alone)
     return [], []
 
 
