@@ -145,10 +145,12 @@ class LMReplica(ReplicaShell):
         from ray import serve
 
         from lenbatch.generate.engine import GenerationEngine
+        from lenbatch.serving.torchthread import on_torch_thread
 
         self.settings = Settings.model_validate(settings)
         m = self.settings.model
-        runner = load_causal(self.settings, m.device, m.torch_threads or threads)
+        # loaded on the thread the engine runs it on (`serving.torchthread`: one OpenMP pool)
+        runner = on_torch_thread(load_causal, self.settings, m.device, m.torch_threads or threads)
         s = self.settings
         self.engine = GenerationEngine(runner, s.batching, s.admission, s.generation)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
