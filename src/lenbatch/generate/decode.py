@@ -264,12 +264,12 @@ class Decoder:
             result = self.prefill(job, cols)
             result.released_lanes[:0] = dropped
             return result
-        lo, hi, seg = self._chunk(job, cols)
-        ids, mask, pos = kv.step_inputs()
-        start = self.now()
         mixer = self.mixer
         if mixer is None:
             raise RuntimeError("bug: a mixed unit on a runner that cannot mix")
+        lo, hi, seg = self._chunk(job, cols)
+        ids, mask, pos = kv.step_inputs()
+        start = self.now()
         logits, prompt_logits = mixer.forward_segments([Segment(ids, mask, pos, kv.cache), seg])
         end = self.now()
         eos = self.runner.eos_token_ids
@@ -278,11 +278,7 @@ class Decoder:
         tokens = choose_next(logits, self.rows, eos)
         first = choose_next(prompt_logits, job.gens, eos) if hi == job.batch.width else None
         result = UnitResult("mixed", released_lanes=dropped, compute_s=end - start, job=job)
-        kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
-        self._deliver(result, self.rows, tokens)
-        result.rows = kv.rows
-        result.tokens = kv.real_tokens
-        result.padded = kv.rows * kv.width
+        self._stepped(kv, result, mask, tokens)
         result.prefill_rows = job.rows
         result.prefill_tokens, result.prefill_padded = self._chunk_ran(job, lo, hi, start, end)
         if first is not None:
@@ -309,16 +305,22 @@ class Decoder:
             logits = self.runner.forward(ids, mask, pos, kv.cache)
         end = self.now()
         tokens = choose_next(logits, self.rows, self.runner.eos_token_ids)
-        kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
-        self._deliver(result, self.rows, tokens)
         result.compute_s = end - start
-        result.rows = kv.rows
-        # What attention read this step: real cached tokens vs all columns (padding included).
-        result.tokens = kv.real_tokens
-        result.padded = kv.rows * kv.width
+        self._stepped(kv, result, mask, tokens)
         self.kv_bytes()
         result.released_lanes.extend(self._drop_done())
         return result
+
+    def _stepped(
+        self, kv: KVBatch, result: UnitResult, mask: torch.Tensor, tokens: list[int]
+    ) -> None:
+        """A decode step ran and chose `tokens`: advance the running batch, deliver them and
+        record what attention read (real cached tokens against all columns, padding included)."""
+        kv.advance(mask, torch.tensor(tokens, dtype=torch.long, device=kv.mask.device))
+        self._deliver(result, self.rows, tokens)
+        result.rows = kv.rows
+        result.tokens = kv.real_tokens
+        result.padded = kv.rows * kv.width
 
     def _deliver(self, result: UnitResult, gens: list[Generation], tokens: list[int]) -> None:
         eos = self.runner.eos_token_ids
