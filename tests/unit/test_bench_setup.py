@@ -301,6 +301,24 @@ def test_adaptive_goodput_commands_parse_and_the_dry_run_says_what_comes_later(
     assert cmds[2].args[cmds[2].args.index("--rate") + 1] == "12.50"
 
 
+def test_adaptive_goodput_capacity_run_is_raised_until_past_saturation(bench_runner: Any) -> None:
+    """A capacity run that completes what it is offered measured the offered rate: the next
+    one offers twice as much; one that falls behind stops the search."""
+    import sys
+
+    bench_runner.plan(["--dry-run", "adaptive-goodput"])
+    goodput = sys.modules["goodput"]
+    assert goodput.next_overload(40.0, 180.0, 169.2) == 80.0
+    assert goodput.next_overload(40.0, 208.0, 168.5) is None  # P95 3.7 s: saturated
+    lines = goodput._capacity_lines(
+        {
+            "capacity_runs": [{"overload": 40, "offered_rps": 180.0, "completed_rps": 169.2}],
+            "traffic_s": {"3": 2.5},
+        }
+    )
+    assert "x40: offered 180.0, completed 169.2" in lines[1] and "3x 2.5 s" in lines[2]
+
+
 def test_every_entry_point_is_a_documented_recipe(bench_runner: Any) -> None:
     """bench/README.md documents every recipe, and every script in bench/ is a recipe's."""
     readme = (BENCH / "README.md").read_text(encoding="utf-8")
