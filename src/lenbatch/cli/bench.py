@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from lenbatch.replay.targets import targets_for
 
     serve_args = shlex.split(args.serve_args)
+    threads = None
     if args.cost:
         from lenbatch.cli.common import pin_cost_spec
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cost:
         from lenbatch.cli.predict import make_predictor
 
-        predictor, prediction_note = make_predictor(args, traffic, serve_args)
+        predictor, prediction_note = make_predictor(args, traffic, serve_args, threads=threads)
     oracles, oracle_note = None, None
     if args.cost:
         oracles, oracle_note = oracle_figures(args, traffic, serve_args)

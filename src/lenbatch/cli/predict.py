@@ -49,8 +49,11 @@ def make_predictor(
     traffic: Traffic,
     serve_args: Sequence[str],
     simulate: SimulateFn | None = None,
+    threads: int | None = None,
 ) -> tuple[Callable[[str, float], dict[str, Any] | None], str]:
-    """(predictor, note for the report). `simulate` defaults to `lenbatch.plan.sim.simulate`."""
+    """(predictor, note for the report). `simulate` defaults to `lenbatch.plan.sim.simulate`;
+    `threads` is the torch thread count the servers run with, which the cost file's processor
+    is checked against (default this process's)."""
     if simulate is None:
         try:
             from lenbatch.plan.sim import simulate as sim_simulate
@@ -59,7 +62,7 @@ def make_predictor(
                 "--cost needs the simulator (lenbatch.plan.sim), which this build does not have"
             ) from None
         simulate = sim_simulate
-    cost = load_cost_model(args.cost)
+    cost = load_cost_model(args.cost, threads=threads)
     from lenbatch.replay.bodies import model_max_length
 
     limit = model_max_length(args.model) or 512
