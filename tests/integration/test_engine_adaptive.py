@@ -93,6 +93,29 @@ async def test_a_call_predicted_to_miss_its_slo_is_shed_at_once_with_retry_after
     assert stats["unanswered"] == 0
 
 
+async def test_the_time_before_admission_counts_against_the_slo() -> None:
+    """A call the route received 1.2 s ago (reading, tokenizing, a busy event loop) has 0.3 s
+    of its 1.5 s SLO left: with a batch predicted at 1 s it is refused at once, although the
+    runner is idle; the same call received now is served. /stats shows both intakes."""
+    engine = Engine(
+        FakeRunner(max_length=128),
+        ADAPTIVE,
+        adaptive=AdaptiveConfig(slo_ms=1500),
+        cost_prior=CostCoefficients(1.0, 0.0, 0.0),
+    )
+    await engine.start()
+    try:
+        with pytest.raises(Overloaded) as err:
+            await engine.embed([_ids(6)], arrival=engine.clock.now() - 1.2)
+        assert err.value.code == "deadline_unmeetable"
+        assert len(await engine.embed([_ids(6)], arrival=engine.clock.now())) == 1
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert stats["rejected"] == {"deadline_unmeetable": 1}
+    assert stats["intake_p50_ms"] is not None and 500 < stats["intake_p95_ms"] < 1300
+
+
 async def test_shed_503_and_serve_late_are_configurable() -> None:
     """shed = 503 answers Unavailable; shed = late admits and serves the call (late)."""
     for mode, expect in (("503", Unavailable), ("late", None)):

@@ -68,8 +68,10 @@ def create_app(
         timeout: float | None,
         header_priority: int | None,
         receive: Receive,
+        arrival: float,
     ) -> Response:
-        """The answer to a validated call: the FastAPI route's and the hot route's."""
+        """The answer to a validated call received at `arrival` (the engine's clock): the
+        FastAPI route's and the hot route's."""
         check_model(body.model, accepted_names, served)
         info = engine.info
         if body.dimensions is not None and body.dimensions > info.dim:
@@ -81,7 +83,7 @@ def create_app(
                 inputs = prompted(inputs, prompt)
         priority = body.priority if body.priority is not None else header_priority
         work = engine.embed_with_usage(
-            inputs, truncate=body.truncate, timeout=timeout, priority=priority or 0
+            inputs, truncate=body.truncate, timeout=timeout, priority=priority or 0, arrival=arrival
         )
         done = await watched(app, receive, work)
         if done is None:
@@ -113,11 +115,13 @@ def create_app(
         x_priority: Annotated[int | None, Header(description=_PRIORITY_DOC)] = None,
     ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
-        return await answer(body, x_request_timeout, x_priority, request.receive)
+        arrival = engine.clock.now()
+        return await answer(body, x_request_timeout, x_priority, request.receive, arrival)
 
     async def hot_embeddings(scope: Scope, raw: bytes, receive: Receive) -> Response | None:
         # The same route for the calls it can read without FastAPI: a JSON body that
         # validates and plain header values; anything else goes on to the route above.
+        arrival = engine.clock.now()
         head = hot_headers(scope)
         if head is None:
             return None
@@ -125,7 +129,7 @@ def create_app(
             body = EmbeddingRequest.model_validate_json(raw)
         except ValidationError:
             return None
-        return await answer(body, head.timeout, head.priority, receive)
+        return await answer(body, head.timeout, head.priority, receive, arrival)
 
     add_hot_route(app, "POST", "/v1/embeddings", hot_embeddings)
 

@@ -244,7 +244,9 @@ class Engine(BaseEngine[Vector]):
         self.check_priority(priority)
         # Too long for the model: cut here if asked; otherwise admission refuses it (413).
         seqs = await self.inputs.read(inputs, options.get("truncate"))
-        vectors = await self.submit_ids(seqs, None, priority, options.get("timeout"))
+        vectors = await self.submit_ids(
+            seqs, None, priority, options.get("timeout"), options.get("arrival")
+        )
         return Embedded(vectors, sum(len(x) for x in seqs))
 
     def check_priority(self, priority: int) -> None:
@@ -263,23 +265,29 @@ class Engine(BaseEngine[Vector]):
         segments: list[list[int]] | None,
         priority: int,
         timeout: float | None,
+        arrival: float | None = None,
     ) -> list[Vector]:
         """Admit tokenized inputs (with their segment ids, if pairs), queue each by its length,
         and wait for every row; raises the refusal or the first failure (its message starts
-        with the failing input's index when there are several)."""
+        with the failing input's index when there are several). `arrival`: when the route
+        received the call (latency, due time and timeout count from it; None: now)."""
         self.check_running()  # drained while this request was tokenizing
         loop = asyncio.get_running_loop()
         now = self.clock.now()
+        # What the client waited before the queue (reading, tokenizing, a busy event loop)
+        # counts against its SLO: `adaptive` plans with the time it has left, not a fresh one.
+        arrival = now if arrival is None else min(arrival, now)
+        self.metrics.record_intake(now - arrival)
         refusal = self.admission.check([len(s) for s in seqs], self.queues, now)
         if refusal is not None:
             self.metrics.record_rejection(refusal.code)
             raise refusal
         timeout = timeout if timeout is not None else self.request_timeout
-        deadline = None if timeout is None else now + timeout
+        deadline = None if timeout is None else arrival + timeout
         ad = self.adaptive
         due = None
         if ad is not None:
-            due = ad.due_of(now, priority, timeout)
+            due = ad.due_of(arrival, priority, timeout)
             shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now, priority)
             if shed is not None:
                 self.metrics.record_rejection(shed.code)
@@ -288,7 +296,7 @@ class Engine(BaseEngine[Vector]):
         requests: list[Request[Ticket[Vector]]] = []
         for i, x in enumerate(seqs):
             r: Request[Ticket[Vector]] = Request(
-                len(x), now, x, deadline=deadline, priority=priority
+                len(x), arrival, x, deadline=deadline, priority=priority
             )
             if segments is not None:
                 r.token_type_ids = segments[i]

@@ -90,7 +90,11 @@ def create_scoring_app(
         request: Request, inputs: PairInputs, body: Any, timeout: float | None
     ) -> Predicted | None:
         work = engine.predict_with_usage(
-            inputs, truncate=body.truncate, timeout=timeout, priority=body.priority or 0
+            inputs,
+            truncate=body.truncate,
+            timeout=timeout,
+            priority=body.priority or 0,
+            arrival=engine.clock.now(),  # before tokenizing: the wait for it counts
         )
         done = await unless_disconnected(request, work)
         if done is None:

@@ -60,7 +60,9 @@ class ScoringEngine(Engine):
         self.check_priority(priority)
         truncate = self.inputs.truncating(options.get("truncate"))
         seqs, segments = await self.inputs.in_thread(self._tokenize, list(inputs), truncate)
-        logits = await self.submit_ids(seqs, segments, priority, options.get("timeout"))
+        logits = await self.submit_ids(
+            seqs, segments, priority, options.get("timeout"), options.get("arrival")
+        )
         return Predicted(logits, sum(len(x) for x in seqs))
 
     def _tokenize(

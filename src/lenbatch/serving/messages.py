@@ -43,12 +43,15 @@ class CallOptions(TypedDict, total=False):
     `truncate` cuts inputs over the model's limit (None: the server's default; otherwise an
     overlong input is refused 413); `timeout` is the seconds an input may wait before it runs
     (504 after; None: the server's default); `priority` its level (higher runs first; 0 when
-    left out).
+    left out); `arrival` the engine clock's time the route took the call, before tokenizing
+    it (None: when the engine admits it). Latency, the SLO's due time and the
+    timeout count from it.
     """
 
     truncate: bool | None
     timeout: float | None
     priority: int
+    arrival: float | None
 
 
 class SubmitOptions(TypedDict, total=False):

@@ -125,6 +125,8 @@ class Metrics(Series):
         self.queue_wait = h("lenbatch_queue_wait_seconds", "Time from arrival to batch start", b)
         self.exec_time = h("lenbatch_batch_exec_seconds", "Model execution time per batch", b)
         self.latency = h("lenbatch_request_latency_seconds", "Arrival to answer, per input", b)
+        self.intake = h("lenbatch_intake_seconds", "Route took the call to admission (tokenizing)")
+        self._intakes = window()
         self.depth = g("lenbatch_queue_depth", "Requests waiting", b)
         self.requests = c("lenbatch_requests", "Answered inputs by outcome", b, "status")
         self.rejected = c("lenbatch_rejected", "Calls refused at admission", "reason")
@@ -298,6 +300,12 @@ class Metrics(Series):
             self.cost_error.set(cm["fit_error"])
         self.served_late.set(state["served_late"])
 
+    def record_intake(self, seconds: float) -> None:
+        """A call's time from its route taking it to its admission: tokenizing, and waiting
+        for the tokenizer threads and the event loop."""
+        self._intakes.append(seconds)
+        self.intake.observe(seconds)
+
     def stats(self) -> dict[str, Any]:
         """A JSON-ready summary: totals, token-weighted waste, latency percentiles per bucket."""
         per_bucket = []
@@ -337,6 +345,7 @@ class Metrics(Series):
             "padding_waste": 1 - real / padded if padded else 0.0,
             **percentiles_ms(self._all_latencies, key="p{}_ms"),
             **percentiles_ms(waits, (50, 95), "queue_wait_p{}_ms"),
+            **percentiles_ms(self._intakes, (50, 95), "intake_p{}_ms"),
             "memory": dict(self._memory),
             "per_bucket": per_bucket,
         }

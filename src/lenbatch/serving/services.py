@@ -38,6 +38,7 @@ from lenbatch.serving.messages import (
 )
 
 __all__ = [
+    "Clocked",
     "EmbeddingService",
     "GenerationHandle",
     "GenerationService",
@@ -98,8 +99,18 @@ class Service(Protocol):
         ...
 
 
+class Clocked(Protocol):
+    """A front-end whose routes stamp each call's arrival with its clock, before tokenizing it
+    (latency, TTFT and the SLO count from there)."""
+
+    @property
+    def clock(self) -> Clock:
+        """The front-end's clock."""
+        ...
+
+
 @runtime_checkable
-class EmbeddingService(Service, Protocol):
+class EmbeddingService(Service, Clocked, Protocol):
     """A front-end that embeds texts or token arrays, each input batched by its length."""
 
     @property
@@ -138,18 +149,13 @@ class GenerationHandle(Protocol):
 
 
 @runtime_checkable
-class GenerationService(Service, Protocol[H]):
+class GenerationService(Service, Clocked, Protocol[H]):
     """A front-end that generates text from prompts, each prompt's prefill batched by its
     length; `H` is its handle on one prompt in flight."""
 
     @property
     def info(self) -> ModelInfo:
         """The served model's facts (name, context length)."""
-        ...
-
-    @property
-    def clock(self) -> Clock:
-        """The clock the TTFT breakdown is measured with (arrival is stamped by the route)."""
         ...
 
     @property
@@ -197,7 +203,7 @@ class GenerationService(Service, Protocol[H]):
 
 
 @runtime_checkable
-class ScoringService(Service, Protocol):
+class ScoringService(Service, Clocked, Protocol):
     """A front-end that runs a sequence-classification head (a cross-encoder reranker, a
     classifier) on single texts or (query, document) pairs, each batched by its own token
     count. Routes turn the logits into scores (sigmoid for one label), probabilities (softmax,
