@@ -174,6 +174,29 @@ def test_a_batch_stops_growing_before_it_breaks_a_members_due_time() -> None:
     assert first.size < 21
 
 
+def test_a_batch_is_sized_by_what_the_last_batches_measured() -> None:
+    """Batches measured twice as slow as the model predicts (`drift`): the batch stops
+    growing where it still finishes in time at that speed, not where the bare fit says."""
+    sizes = []
+    for slow in (1.0, 2.0):
+        cfg = _cfg()
+        st = _state(cfg, slo=10.0, late_binding=False)
+        for _ in range(10):
+            st.observe_batch(3, 8, 60, slow * st.cost.coefficients.seconds(8, 60))
+        q = Queues(cfg)
+        head = _arrive(q, st, 60, 0.0)
+        head.due = 0.25
+        for k in range(20):
+            _arrive(q, st, 60, 0.001 * (k + 1))
+        first = schedule(q, 0.03, cfg, st).batches[0]
+        co = st.cost.coefficients
+        assert first.requests[0] is head
+        assert 0.03 + st.drift * co.seconds(first.size, first.padded_len) <= 0.25
+        assert 0.03 + st.drift * co.seconds(first.size + 1, first.padded_len) > 0.25
+        sizes.append(first.size)
+    assert sizes[1] < sizes[0]
+
+
 def test_shedding_answers_once_with_the_documented_code() -> None:
     """A queued request that cannot meet its due time even alone is shed once (never also
     batched); admission refuses a call predicted late with 429 (or 503) and a Retry-After."""

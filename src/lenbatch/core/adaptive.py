@@ -62,6 +62,7 @@ __all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "deriv
 _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
 _DRIFT_ALPHA = 0.2  # weight of the newest batch in the measured / predicted average (~5 batches)
+_QUEUE_DRIFT_ALPHA = 0.05  # the same average over ~20 batches: the speed a queue drains at
 _DRIFT_MAX = 4.0  # one batch moves the average by at most this factor (a stall is not a trend)
 
 
@@ -110,6 +111,7 @@ class AdaptiveState(Shedding):
         self.late = 0  # requests kept although predicted late (shed = late)
         self.decisions = DecisionLog()  # why each request was refused or shed
         self._log_drift = 0.0  # log of the recent measured / predicted batch time
+        self._log_queue_drift = 0.0  # the same over more batches (`queue_drift`)
         # CPU per request outside the model call, on the `cores` the model shares (measured
         # live by the engine; the simulator sets the cost model's)
         self.request_cpu = RequestCpu(cores)
@@ -182,6 +184,7 @@ class AdaptiveState(Shedding):
             # over dozens of batches, the shedding decisions at once
             ratio = min(_DRIFT_MAX, max(1 / _DRIFT_MAX, seconds / predicted))
             self._log_drift += _DRIFT_ALPHA * (math.log(ratio) - self._log_drift)
+            self._log_queue_drift += _QUEUE_DRIFT_ALPHA * (math.log(ratio) - self._log_queue_drift)
         self.estimates.observe_batch(lane, size, padded_len, seconds)
 
     @property
@@ -189,6 +192,13 @@ class AdaptiveState(Shedding):
         """How much slower (above 1) or faster the last few batches ran than the cost model
         predicted them: shedding scales its predictions by it."""
         return math.exp(self._log_drift)
+
+    @property
+    def queue_drift(self) -> float:
+        """`drift` over the last ~20 batches: what admission scales the queued work by. The
+        work in flight runs under the conditions of the moment (a burst's flood of requests
+        slows it); a queue drains over the next second, mostly after the flood."""
+        return math.exp(self._log_queue_drift)
 
     # ------------------------------------------------------------------ the decision
 
@@ -253,6 +263,10 @@ class AdaptiveState(Shedding):
         # Filling a batch buys model time; below `fill_load` (the runner's busy share were
         # every request run alone) there is time to spare, and waiting only adds latency.
         fill = pol.late_binding and not self.draining and self.load(now) >= pol.fill_load
+        # a batch's due-time checks use the model's times as the last batches measured them and
+        # as the request-side CPU slows them now, as shedding does: a batch the bare fit says
+        # is in time would otherwise run its last members late
+        scale = self.drift * self.cpu_slowdown(now)
         while free > 0 and queues.size:
             busy = queues.inflight_total >= self.concurrency
             ahead = max(0.0, self.backlog_end - now) if busy else 0.0
@@ -284,7 +298,8 @@ class AdaptiveState(Shedding):
                         limited = True
                         break
                     new_due = min(min_due, pol.due(r))
-                    if members and start + co.seconds(len(members) + 1, new_pad) > new_due:
+                    grown = scale * co.seconds(len(members) + 1, new_pad)
+                    if members and start + grown > new_due:
                         limited = True  # growing further would break a member's due time
                         break
                     members.append(r)
@@ -297,7 +312,7 @@ class AdaptiveState(Shedding):
                 n = len(members)
                 limited = limited or n >= cap
                 exec_s = co.seconds(n, pad)
-                latest = min_due - exec_s  # latest feasible start
+                latest = min_due - scale * exec_s  # latest feasible start
                 level = max(pol.level(r, now) for r in members)
                 head = members[0]
                 target = self.target_batch(i, cfg, now, pol.due(head) - head.arrival)
@@ -328,8 +343,8 @@ class AdaptiveState(Shedding):
             _, lane, members, pad, exec_s = best
             queues.remove_many(members)
             if pol.merge and lane > 0 and not cfg.lanes[lane].pad_to:
-                exec_s = self._top_up(queues, cfg, lane, members, pad, start, now, d)
-            end = start + exec_s
+                exec_s = self._top_up(queues, cfg, lane, members, pad, start, now, d, scale)
+            end = start + scale * exec_s
             self.late += sum(1 for r in members if pol.due(r) < end)
             queues.batch_started(lane)
             d.batches.append(Batch(lane, members, pad))
@@ -406,9 +421,11 @@ class AdaptiveState(Shedding):
         start: float,
         now: float,
         d: Decision,
+        scale: float = 1.0,
     ) -> float:
-        """Merge requests of the next shorter lanes into `members` while it pays; returns
-        the batch's predicted seconds."""
+        """Merge requests of the next shorter lanes into `members` while it pays and every
+        member still meets its due time (the batch's time times `scale`); returns the batch's
+        predicted seconds (unscaled)."""
         co = self.cost.coefficients
         cap = cfg.lanes[lane].max_batch
         min_due = min(self.policy.due(r) for r in members)
@@ -431,7 +448,7 @@ class AdaptiveState(Shedding):
                 own_pad = max(x.length for x in window[len(taken) :])
                 own_share = co.seconds(left, own_pad) / left
                 new_due = min(min_due, self.policy.due(r))
-                if grown - exec_s >= own_share or start + grown > new_due:
+                if grown - exec_s >= own_share or start + scale * grown > new_due:
                     break
                 members.append(r)
                 taken.append(r)
@@ -481,7 +498,11 @@ class AdaptiveState(Shedding):
                 }
                 for i in range(self.estimates.lanes)
             ],
-            "cost_model": {**self.cost.describe(), "recent_drift": self.drift},
+            "cost_model": {
+                **self.cost.describe(),
+                "recent_drift": self.drift,
+                "queue_drift": self.queue_drift,
+            },
             "merges": [
                 {"from": labels[a] if a < len(labels) else str(a), "into": labels[b], "n": n}
                 for (a, b), n in sorted(self.merges.items())

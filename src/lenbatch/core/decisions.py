@@ -46,6 +46,7 @@ class ShedDecision:
     cost_c_s: float
     observed_batches: int  # batches the cost model had seen
     drift: float = 1.0  # recent measured / predicted batch time the prediction was scaled by
+    queue_drift: float = 1.0  # the same over more batches, which the queued work was scaled by
 
     @property
     def late_by(self) -> float:
@@ -137,6 +138,7 @@ class DecisionLog:
                 "c_s_per_token_sq": first.cost_c_s,
                 "observed_batches": first.observed_batches,
                 "drift": first.drift,
+                "queue_drift": first.queue_drift,
             },
         }
 

@@ -419,6 +419,7 @@ class AdaptiveGenPolicy:
                 cost_c_s=co.c,
                 observed_batches=self.costs.prefill.observed + self.costs.decode.observed,
                 drift=self.costs.drift,
+                queue_drift=self.costs.drift,  # one drift scales all of a prompt's wait
             )
         )
 
