@@ -119,6 +119,27 @@ def test_a_lane_waits_while_filling_pays_and_runs_at_its_window() -> None:
     assert [b.size for b in d.batches] == [1]
 
 
+def test_the_fill_threshold_counts_every_batch_slot() -> None:
+    """~30 req/s of 50 tokens keep one slot over `fill_load` (0.7) busy serving them one by
+    one: it waits to fill. Two one-thread batch slots would be half as busy: it runs."""
+    held = []
+    for slots in (1, 2):
+        cfg = replace(_cfg(), slots=slots)
+        st = AdaptiveState(
+            AdaptivePolicy(level_slo=(1.0,), max_wait=0.05),
+            OnlineCostModel(TRUE),
+            cfg,
+            concurrency=slots,
+        )
+        q = Queues(cfg)
+        for k in range(60):
+            st.on_arrival(2, 50, k / 30)
+        _arrive(q, st, 50, 2.0)
+        assert (st.load(2.0) >= 0.7) == (slots == 1)
+        held.append(schedule(q, 2.0, cfg, st).batches == [])
+    assert held == [True, False]
+
+
 def test_late_binding_off_runs_at_once() -> None:
     """The switch: with late binding off a lane runs as soon as a slot is free."""
     cfg = _cfg()

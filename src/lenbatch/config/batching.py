@@ -149,8 +149,9 @@ class AdaptiveConfig(BaseModel):
     fill_gain: float = Field(0.1, ge=0)
     """Waiting for one more request must raise real tokens per model-second by this share."""
     fill_above_load: float = Field(0.7, ge=0)
-    """Wait to fill only once the runner would be busy this share of the time running every
-    request alone (below it there is model time to spare; 0: whenever filling pays)."""
+    """Wait to fill only once the runner's batch slots (`max_concurrent_batches`) would be busy
+    this share of the time running every request alone (below it there is model time to
+    spare; 0: whenever filling pays)."""
     rate_window_s: float = Field(1.0, gt=0)
     """Time constant of the per-lane arrival-rate estimate."""
     merge: bool = True

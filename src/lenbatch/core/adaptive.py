@@ -20,10 +20,10 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
    `max_batch`, the token budget, and while the grown batch still meets every member's due time.
-3. **Late binding** (`late_binding`): once the runner would be busy `fill_load` of the time
-   serving requests one by one (below that there is model time to spare and waiting only
-   adds latency), a lane short of its target waits to fill, while (a) one
-   more request raises real tokens per model-second by `fill_gain` and (b) its latest feasible
+3. **Late binding** (`late_binding`): once the runner's batch slots would be busy
+   `fill_load` of the time serving requests one by one (below that there is model time to
+   spare and waiting only adds latency), a lane short of its target waits to fill, while (a)
+   one more request raises real tokens per model-second by `fill_gain` and (b) its latest feasible
    start (`min due - t(B, L) - ahead`) is not reached. The target is the largest `b` with
    `t(b, L) + (b - 1) / rate <= SLO / 2` (Nexus' rule, in padded tokens), filling no further
    than it pays; the wait it implies, `(target - 1) / rate`, is bounded by `min_wait` and
@@ -214,8 +214,9 @@ class AdaptiveState(Shedding):
 
     def load(self, now: float) -> float:
         """The runner's busy share if every request ran alone: sum over lanes of arrival
-        rate x predicted time of one request of the lane's mean length."""
-        return self.estimates.load(now)
+        rate x predicted time of one request of the lane's mean length, over the batches it
+        runs at once (`concurrency`: two one-thread batches serve twice the requests)."""
+        return self.estimates.load(now) / self.concurrency
 
     def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
         """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
