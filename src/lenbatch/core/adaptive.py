@@ -281,7 +281,7 @@ class AdaptiveState(Shedding):
                 if lp.quota is not None and queues.inflight[i] >= lp.quota:
                     continue
                 cap = lp.max_batch
-                window = self._head(queues, i, now, start, cap, d)
+                window = self._head(queues, i, now, start, cap, d, scale)
                 if not window:
                     continue
                 members: list[Request] = []
@@ -363,14 +363,21 @@ class AdaptiveState(Shedding):
         return bool(new_rate > (1 + self.policy.fill_gain) * now_rate)
 
     def _head(
-        self, queues: Queues, lane: int, now: float, start: float, cap: int, d: Decision
+        self,
+        queues: Queues,
+        lane: int,
+        now: float,
+        start: float,
+        cap: int,
+        d: Decision,
+        scale: float,
     ) -> list[Request]:
         """The lane's first `cap` requests in service order, after taking out those whose
         hard deadline passed (expired) and, unless `shed = late`, those that can no longer
-        meet their due time even alone (shed)."""
+        meet their due time even alone (shed), the model's times multiplied by `scale` (the
+        decision's drift x request-side CPU slowdown)."""
         q = queues.lanes[lane]
         co = self.cost.coefficients
-        drift = self.drift * self.cpu_slowdown(now)
         shed_on = self.policy.shed is not ShedMode.LATE
         while True:
             window = self._ordered(q, now, cap)
@@ -379,13 +386,13 @@ class AdaptiveState(Shedding):
                 if r.deadline is not None and r.deadline <= now:
                     d.expired.append(r)
                     gone.append(r)
-                elif start + drift * co.seconds(1, r.length) > self.policy.due(r):
+                elif start + scale * co.seconds(1, r.length) > self.policy.due(r):
                     if shed_on:
                         d.shed.append(r)
                         gone.append(r)
                         self.shed_counts["queue"] += 1
                         due = self.policy.due(r)
-                        finish = start + drift * co.seconds(1, r.length)
+                        finish = start + scale * co.seconds(1, r.length)
                         running = start - now
                         self._record(
                             "queue",

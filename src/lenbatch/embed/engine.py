@@ -274,7 +274,7 @@ class Engine(BaseEngine[Vector]):
         self.check_running()  # drained while this request was tokenizing
         loop = asyncio.get_running_loop()
         now = self.clock.now()
-        # What the client waited before the queue (reading, tokenizing, a busy event loop)
+        # What the call waited since its route took it (tokenizing, the tokenizer threads)
         # counts against its SLO: `adaptive` plans with the time it has left, not a fresh one.
         arrival = now if arrival is None else min(arrival, now)
         self.metrics.record_intake(now - arrival)
