@@ -493,8 +493,7 @@ script_recipe(
 script_recipe(
     "waterfall", "waterfall.py",
     "Where tok/s go: GEMMs, eager, runner, engine, server, replay, and why (waterfall.md).",
-    "--span", "300", "--rate-scale", "40", "--conditions", LOCKED,
-    "--out", "bench/results/waterfall.md",
+    "--span", "300", "--conditions", LOCKED, "--out", "bench/results/waterfall.md",
 )  # fmt: skip
 script_recipe(
     "request-cost", "request_cost.py",

@@ -18,8 +18,10 @@ of `--span` s of trace time) pushed through one more layer of the stack:
    saturation), tokenized, scheduled, batched and answered through the ledger;
 5. `server`: `lenbatch serve` with the same config over loopback, fed past saturation by a
    minimal keep-alive client (hand-written HTTP/1.1, `--connections` at a time);
-6. `replay`: the same server fed by lenbatch's replay driver (httpx, open loop, at
-   `--rate-scale` times the trace's rate), the driver on the same cores.
+6. `replay`: the same server fed by lenbatch's replay driver (httpx, open loop), the driver on
+   the same cores, past saturation: the trace's arrivals compressed to offer `--overload` times
+   the rate the `server` step completed (without that step: `--rate-scale` times the trace's
+   rate); the row says whether the server completed under 0.9 of what it was offered.
 
 Batches are formed as the bucketed scheduler forms them when its queues are full: by bucket
 (the config's boundaries), in arrival order, `max_batch` rows and `max_batch_tokens` padded
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import shutil
@@ -59,6 +62,7 @@ import numpy as np
 
 STEPS = ("gemm", "eager", "padded", "packed", "engine", "server", "replay")
 DEV_CONFIG = "configs/minilm-azure-conv.toml"
+SATURATED = 0.9  # past saturation once the server completes under this share of the offer
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -450,8 +454,13 @@ def step_servers(
                 row.notes.append(_py_spy_top(spy))
             rows.append(row)
         if "replay" in steps:
+            sent = plan
+            if rows:  # past saturation: offer `--overload` x what the server step completed
+                want = args.overload * len(plan) / rows[-1].wall_s
+                offered = len(plan) / max(float(plan.scheduled[-1]), 1e-9)
+                sent = dataclasses.replace(plan, scheduled=plan.scheduled * (offered / want))
             before, c0 = thread_cpu(pid), time.process_time()
-            res = asyncio.run(replay(server.url, plan, traffic.endpoint, progress=False))
+            res = asyncio.run(replay(server.url, sent, traffic.endpoint, progress=False))
             client = time.process_time() - c0
             delta = cpu_delta(before, thread_cpu(pid))
             cpu, threads = server_cpu(pid, delta, workers)
@@ -459,9 +468,13 @@ def step_servers(
             ok = res.outcomes == 0
             wall = float(np.nanmax(res.done) - np.nanmin(res.sent))
             row = Row("replay", int(res.lengths[ok].sum()), wall, cpu, [threads])
+            offered_rate = len(sent) / max(float(sent.scheduled[-1]), 1e-9)
+            done_rate = int(ok.sum()) / wall
+            past = done_rate < SATURATED * offered_rate
             row.notes.append(
-                f"x{args.rate_scale:g}: {len(plan)} requests offered over "
-                f"{float(plan.scheduled[-1]):.1f} s, {int(ok.sum())} ok"
+                f"{len(sent)} requests offered at {offered_rate:.0f} req/s, "
+                f"{int(ok.sum())} ok at {done_rate:.0f} req/s: "
+                + ("past saturation" if past else "**not past saturation**")
             )
             rows.append(row)
     finally:
@@ -541,7 +554,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="trace and mapping, as `lenbatch replay` takes them")  # fmt: skip
     p.add_argument("--start", type=float, default=600.0, help="trace window start, s")
     p.add_argument("--span", type=float, default=120.0, help="seconds of trace time")
-    p.add_argument("--rate-scale", type=float, default=28.0, help="replay step's rate multiplier")
+    p.add_argument("--rate-scale", type=float, default=28.0,
+                   help="the trace's rate multiplier (the replay step's without a server step)")
+    p.add_argument("--overload", type=float, default=2.0,
+                   help="replay step: offer this times the server step's completed rate")  # fmt: skip
     p.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
     p.add_argument("--connections", type=int, default=64, help="server step: connections")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S",
