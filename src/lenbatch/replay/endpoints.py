@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
 
 from lenbatch.plan.summary import OUTCOME_ERROR, OUTCOME_OK, OUTCOME_REJECTED
 
@@ -78,8 +78,9 @@ class Endpoint(Protocol):
         """The JSON body for one request."""
         ...
 
-    async def call(self, client: httpx.AsyncClient, body: bytes) -> CallResult:
-        """Send one request and read its answer (exceptions propagate to the driver)."""
+    async def call(self, session: aiohttp.ClientSession, base: str, body: bytes) -> CallResult:
+        """Send one request to the server at `base` and read its answer (exceptions propagate
+        to the driver)."""
         ...
 
 
@@ -104,13 +105,14 @@ class EmbeddingsEndpoint:
             data["model"] = self.model
         return json.dumps(data, separators=(",", ":")).encode()
 
-    async def call(self, client: httpx.AsyncClient, body: bytes) -> CallResult:
+    async def call(self, session: aiohttp.ClientSession, base: str, body: bytes) -> CallResult:
         """Post and wait for the whole answer."""
-        resp = await client.post(self.path, content=body, headers=_HEADERS)
+        async with session.post(base + self.path, data=body, headers=_HEADERS) as resp:
+            content = await resp.read()
         done = time.perf_counter()
-        outcome = outcome_of_status(resp.status_code)
-        err = None if outcome == OUTCOME_OK else error_text(resp.status_code, resp.content)
-        return CallResult(resp.status_code, outcome, done, err)
+        outcome = outcome_of_status(resp.status)
+        err = None if outcome == OUTCOME_OK else error_text(resp.status, content)
+        return CallResult(resp.status, outcome, done, err)
 
 
 class CompletionsEndpoint:
@@ -148,22 +150,23 @@ class CompletionsEndpoint:
             data["model"] = self.model
         return json.dumps(data, separators=(",", ":")).encode()
 
-    async def call(self, client: httpx.AsyncClient, body: bytes) -> CallResult:
+    async def call(self, session: aiohttp.ClientSession, base: str, body: bytes) -> CallResult:
         """Read the event stream to `[DONE]` (or its end)."""
         first: float | None = None
         last: float | None = None
         gaps: list[float] = []
         chunks = 0
         usage_tokens: int | None = None
-        async with client.stream("POST", self.path, content=body, headers=_HEADERS) as resp:
-            if resp.status_code != 200:
-                content = await resp.aread()
+        async with session.post(base + self.path, data=body, headers=_HEADERS) as resp:
+            if resp.status != 200:
+                content = await resp.read()
                 done = time.perf_counter()
-                status = resp.status_code
+                status = resp.status
                 return CallResult(
                     status, outcome_of_status(status), done, error_text(status, content)
                 )
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, `event:` lines
                 data = line[5:].strip()
