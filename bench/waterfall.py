@@ -559,7 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overload", type=float, default=2.0,
                    help="replay step: offer this times the server step's completed rate")  # fmt: skip
     p.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
-    p.add_argument("--connections", type=int, default=64, help="server step: connections")
+    p.add_argument("--connections", type=int, default=256,
+                   help="server step: connections (enough to fill every batch slot)")  # fmt: skip
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S",
                    help="server step: py-spy the server for S seconds (0: off)")  # fmt: skip
     p.add_argument("--conditions", default="", help="what else ran on the machine")
