@@ -554,10 +554,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="trace and mapping, as `lenbatch replay` takes them")  # fmt: skip
     p.add_argument("--start", type=float, default=600.0, help="trace window start, s")
     p.add_argument("--span", type=float, default=120.0, help="seconds of trace time")
-    p.add_argument("--rate-scale", type=float, default=28.0,
-                   help="the trace's rate multiplier (the replay step's without a server step)")
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=28.0,
+        help="the trace's rate multiplier (the replay step's without a server step)",
+    )
     p.add_argument("--overload", type=float, default=2.0,
-                   help="replay step: offer this times the server step's completed rate")  # fmt: skip
+                   help="replay step: offer this x the server step's completed rate")  # fmt: skip
     p.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
     p.add_argument("--connections", type=int, default=256,
                    help="server step: connections (enough to fill every batch slot)")  # fmt: skip
