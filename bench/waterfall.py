@@ -18,7 +18,7 @@ of `--span` s of trace time) pushed through one more layer of the stack:
    saturation), tokenized, scheduled, batched and answered through the ledger;
 5. `server`: `lenbatch serve` with the same config over loopback, fed past saturation by a
    minimal keep-alive client (hand-written HTTP/1.1, `--connections` at a time);
-6. `replay`: the same server fed by lenbatch's replay driver (httpx, open loop), the driver on
+6. `replay`: the same server fed by lenbatch's replay driver (aiohttp, open loop), the driver on
    the same cores, past saturation: the trace's arrivals compressed to offer `--overload` times
    the rate the `server` step completed (without that step: `--rate-scale` times the trace's
    rate); the row says whether the server completed under 0.9 of what it was offered.
@@ -457,8 +457,7 @@ def step_servers(
             sent = plan
             if rows:  # past saturation: offer `--overload` x what the server step completed
                 want = args.overload * len(plan) / rows[-1].wall_s
-                offered = len(plan) / max(float(plan.scheduled[-1]), 1e-9)
-                sent = dataclasses.replace(plan, scheduled=plan.scheduled * (offered / want))
+                sent = dataclasses.replace(plan, scheduled=plan.scheduled * (_rate(plan) / want))
             before, c0 = thread_cpu(pid), time.process_time()
             res = asyncio.run(replay(server.url, sent, traffic.endpoint, progress=False))
             client = time.process_time() - c0
@@ -468,7 +467,7 @@ def step_servers(
             ok = res.outcomes == 0
             wall = float(np.nanmax(res.done) - np.nanmin(res.sent))
             row = Row("replay", int(res.lengths[ok].sum()), wall, cpu, [threads])
-            offered_rate = len(sent) / max(float(sent.scheduled[-1]), 1e-9)
+            offered_rate = _rate(sent)
             done_rate = int(ok.sum()) / wall
             past = done_rate < SATURATED * offered_rate
             row.notes.append(
@@ -480,6 +479,11 @@ def step_servers(
     finally:
         server.stop()
     return rows
+
+
+def _rate(plan: Any) -> float:
+    """The requests per second a replay plan offers."""
+    return len(plan) / max(float(plan.scheduled[-1]), 1e-9)
 
 
 def _py_spy(pid: int, args: argparse.Namespace) -> Path | None:
