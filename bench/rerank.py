@@ -160,10 +160,11 @@ def peer_env(server: str) -> dict[str, str]:
     when less is free), tcmalloc and Intel OpenMP preloaded, model threads on every core."""
     if server != "vllm":
         return {}
-    from lenbatch.replay.peers.external import first_existing, peers_dir
-    from lenbatch.replay.peers.vllm import _TCMALLOC
+    from lenbatch.replay.peers.external import peers_dir
+    from lenbatch.runners.allocator import find_tcmalloc
 
-    preload = [str(p) for p in (first_existing(_TCMALLOC),) if p is not None]
+    tcmalloc = find_tcmalloc()
+    preload = [str(tcmalloc)] if tcmalloc is not None else []
     iomp = peers_dir() / "vllm" / "lib" / "libiomp5.so"
     if iomp.exists():
         preload.append(str(iomp))

@@ -42,6 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lenbatch` script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command line, for a command that re-executes the process (serve, to preload its
+    # allocator): only when it is this process's own, so a call from other code (a test)
+    # never replaces its caller.
+    given = list(sys.argv[1:] if argv is None else argv)
+    args.argv = given if given == sys.argv[1:] else None
     try:
         status: int = args.run(args)
     except (ValueError, FileNotFoundError) as exc:

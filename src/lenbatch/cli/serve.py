@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any
 
 from lenbatch.cli.common import (
@@ -140,6 +141,12 @@ def register(sub: Any) -> None:
         "measured on another processor",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--allocator",
+        choices=["auto", "tcmalloc", "system"],
+        help="the process's malloc (default auto: tcmalloc where installed, the server "
+        "re-executing itself once with it preloaded, else glibc's; 'system': as launched)",
+    )
     r = p.add_argument_group("scale-out on Ray Serve (needs `pip install 'lenbatch[ray]'`)")
     r.add_argument(
         "--ray",
@@ -226,6 +233,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "api_key": args.api_key,
             "length_log": args.length_log,
             "log_level": args.log_level,
+            "allocator": args.allocator,
             "drain_timeout_s": args.drain_timeout,
             "served_model_name": served[0] if len(served) == 1 and several is None else None,
         },
@@ -254,10 +262,12 @@ def run(args: argparse.Namespace) -> int:
         models = (_one_model(settings),)  # --ray serves one model: refuse a list first
     for m in models:
         _check_task_and_quantization(m)
+    allocator = _choose_allocator(settings.server.allocator, getattr(args, "argv", None))
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    log.info("memory allocator: %s", allocator)
     from lenbatch.serving.http import serve_app
     from lenbatch.serving.lengthlog import LengthLog
 
@@ -290,6 +300,15 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %d models on one CPU budget: %s", len(served), ", ".join(names))
     serve_app(app, group, settings)
     return 0
+
+
+def _choose_allocator(choice: str, argv: list[str] | None) -> str:
+    """`lenbatch.runners.allocator.choose` for this command line (`argv`: its arguments; None
+    where `main` was called with parsed arguments: then it goes on as launched)."""
+    from lenbatch.runners.allocator import choose
+
+    command = None if argv is None else [sys.executable, "-m", "lenbatch.cli.main", *argv]
+    return choose(choice, command)
 
 
 def build_model(settings: Settings, length_log: Any = None) -> Any:

@@ -4,6 +4,7 @@ and text generation."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -45,6 +46,12 @@ class ServerConfig(BaseModel):
     requests get 503 meanwhile and whatever is left after it is answered 503."""
     log_level: str = "info"
     """Log level of lenbatch and uvicorn."""
+    allocator: Literal["auto", "tcmalloc", "system"] = "auto"
+    """The process's malloc. `auto`: tcmalloc where its library is installed (the server
+    re-executes itself once with it preloaded), else glibc's, said in the log; `tcmalloc`:
+    refuse to start without it; `system`: whatever the process was launched with. glibc's
+    malloc keeps freed activation buffers and lets the resident set climb with each new mix of
+    batch shapes; tcmalloc keeps it put and runs the forward faster (runners/allocator.py)."""
 
 
 class AdmissionConfig(BaseModel):

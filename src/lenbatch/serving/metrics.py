@@ -21,7 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lenbatch.core.totals import percentile
-from lenbatch.runners.memory import peak_rss
+from lenbatch.runners.allocator import allocator_in_use
+from lenbatch.runners.memory import current_rss, peak_rss
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -139,6 +140,7 @@ class Metrics(Series):
         )
         self.ready = g("lenbatch_ready", "1 while the engine accepts requests")
         self.peak_rss = g("lenbatch_peak_rss_bytes", "Process RSS high-water mark")
+        self.rss = g("lenbatch_rss_bytes", "Process RSS at the last reading")
         self.weights = g("lenbatch_weights_bytes", "Model parameter bytes")
         self.activations = g("lenbatch_peak_activation_bytes", "Peak memory above weights")
         # strategy adaptive (zero elsewhere): its decisions, model and counters
@@ -183,6 +185,7 @@ class Metrics(Series):
         self._rejections: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._memory: dict[str, Any] = {}
+        self._allocator = allocator_in_use()
         self._last_depths: tuple[tuple[str, ...], tuple[int, ...], int] | None = None
 
     def record_batch(
@@ -255,15 +258,18 @@ class Metrics(Series):
 
     def set_memory(self, weights: int, activations: int, device: str) -> None:
         """Latest memory reading from the runner."""
-        rss = peak_rss()
-        self.peak_rss.set(rss)
+        peak, now = peak_rss(), current_rss()
+        self.peak_rss.set(peak)
+        self.rss.set(now)
         self.weights.set(weights)
         self.activations.set(activations)
         self._memory = {
             "device": device,
+            "allocator": self._allocator,
             "weights_mb": weights / 2**20,
             "peak_activations_mb": activations / 2**20,
-            "peak_rss_mb": rss / 2**20,
+            "peak_rss_mb": peak / 2**20,
+            "rss_mb": now / 2**20,
         }
 
     def record_merge(self, from_lane: int, into_lane: int) -> None:

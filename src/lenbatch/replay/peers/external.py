@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -211,11 +211,3 @@ class ExternalPeer(Protocol):
 def which_or_none(name: str) -> str | None:
     """`shutil.which`, for peers that want a system library or tool."""
     return shutil.which(name)
-
-
-def first_existing(paths: Sequence[str | Path]) -> Path | None:
-    """The first path that exists (system libraries live in distribution-specific places)."""
-    for p in paths:
-        if Path(p).exists():
-            return Path(p)
-    return None

@@ -25,15 +25,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from lenbatch.replay.peers.external import PeerContext, PeerLaunch, VenvSpec, first_existing
+from lenbatch.replay.peers.external import PeerContext, PeerLaunch, VenvSpec
+from lenbatch.runners.allocator import find_tcmalloc
 
 __all__ = ["VLLM", "VLLM_ALL_CORES", "VllmPeer", "hf_folder_from_gguf"]
-
-_TCMALLOC = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-)
 
 
 def hf_folder_from_gguf(folder: Path, gguf_file: str, out: Path) -> Path:
@@ -106,7 +101,8 @@ class VllmPeer:
             argv += ("--runner", "pooling", "--max-model-len", "256")
         else:
             argv += ("--max-model-len", "2048")
-        preload = [str(p) for p in (first_existing(_TCMALLOC),) if p is not None]
+        tcmalloc = find_tcmalloc()
+        preload = [str(tcmalloc)] if tcmalloc is not None else []
         iomp = ctx.venv / "lib" / "libiomp5.so"
         if iomp.exists():
             preload.append(str(iomp))
@@ -119,7 +115,7 @@ class VllmPeer:
             f"VLLM_CPU_OMP_THREADS_BIND={bind}",
             f"{self.dtype}, --max-num-seqs {ctx.max_batch} (the bench's batch cap)",
         ]
-        if not first_existing(_TCMALLOC):
+        if tcmalloc is None:
             notes.append("tcmalloc not found (apt-get install libtcmalloc-minimal4): slower")
         if ctx.endpoint == "completions":
             notes.append(f"model: {folder.name}, dequantized from GGUF to an HF folder")
