@@ -72,6 +72,7 @@ class Series:
     def __init__(self, seconds: Sequence[float] = LATENCY_BUCKETS) -> None:
         self.registry = CollectorRegistry()
         self.seconds = tuple(seconds)  # a histogram's buckets unless it is given its own
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def counter(self, name: str, doc: str, *labels: str) -> Counter:
         """A counter, labelled by `labels`."""
@@ -87,6 +88,16 @@ class Series:
         """A histogram of `buckets` (by default `seconds`), labelled by `labels`."""
         bounds = self.seconds if buckets is None else buckets
         return Histogram(name, doc, labels, buckets=bounds, registry=self.registry)
+
+    def child(self, series: Counter | Gauge | Histogram, *values: str) -> Any:
+        """`series.labels(*values)`, looked up once: prometheus_client's `labels()` checks and
+        locks on every call (about 20 per request on the hot path before), and the label
+        values are few (buckets, statuses), so the children are kept."""
+        key = (id(series), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = series.labels(*values)
+        return found
 
     def prometheus(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -206,23 +217,24 @@ class Metrics(Series):
         s.padded_tokens += padded
         s.exec_s += exec_s
         s.waits.extend(queue_waits)
-        self.batch_size.labels(label).observe(size)
-        self.real_tokens.labels(label).inc(real)
-        self.padded_tokens.labels(label).inc(padded)
-        self.batch_waste.labels(label).observe(1 - real / padded if padded else 0.0)
-        self.waste.labels(label).set(1 - s.real_tokens / s.padded_tokens if s.padded_tokens else 0)
-        self.exec_time.labels(label).observe(exec_s)
-        hist = self.queue_wait.labels(label)
+        child = self.child
+        child(self.batch_size, label).observe(size)
+        child(self.real_tokens, label).inc(real)
+        child(self.padded_tokens, label).inc(padded)
+        child(self.batch_waste, label).observe(1 - real / padded if padded else 0.0)
+        child(self.waste, label).set(1 - s.real_tokens / s.padded_tokens if s.padded_tokens else 0)
+        child(self.exec_time, label).observe(exec_s)
+        hist = child(self.queue_wait, label)
         for w in queue_waits:
             hist.observe(w)
 
     def record_request(self, lane: int, latency_s: float | None, status: str) -> None:
         """One input was answered (`latency_s` None when it never ran)."""
         label = self.labels[lane] if 0 <= lane < len(self.labels) else "none"
-        self.requests.labels(label, status).inc()
+        self.child(self.requests, label, status).inc()
         self._status_counts[status] = self._status_counts.get(status, 0) + 1
         if latency_s is not None and status == "ok":
-            self.latency.labels(label).observe(latency_s)
+            self.child(self.latency, label).observe(latency_s)
             self._lanes[lane].latencies.append(latency_s)
             self._all_latencies.append(latency_s)
 
@@ -252,7 +264,7 @@ class Metrics(Series):
         if now == self._last_depths:
             return
         for label, d in zip(self.labels, depths, strict=True):
-            self.depth.labels(label).set(d)
+            self.child(self.depth, label).set(d)
         self.inflight.set(inflight)
         self._last_depths = now
 
