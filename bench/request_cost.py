@@ -106,6 +106,11 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="more `lenbatch serve` flags")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    # The in-process forward runs on the malloc the server runs on (it preloads tcmalloc where
+    # installed, which changes the forward's CPU): re-executed once here likewise.
+    from lenbatch.runners.allocator import choose
+
+    allocator = choose("auto", [sys.executable, *sys.argv])
 
     from lenbatch.replay.process import ServerProcess, free_port
     from lenbatch.replay.targets import LENBATCH_CLI, Target
@@ -137,7 +142,8 @@ def main() -> int:
         "# CPU per one-input request, outside the forward pass",
         "",
         f"Command: `{shlex.join(['python', 'bench/request_cost.py', *sys.argv[1:]])}`  ",
-        f"Processor: `{processor_key()}`; server: {stack}  ",
+        f"Processor: `{processor_key()}`; server: {stack}; in-process forward on "
+        f"{allocator}, the server on its default allocator  ",
         f"{n} sequential requests on one keep-alive connection ({ok} answered 200), "
         f"{1e3 * wall / n:.2f} ms each end to end",
         "",

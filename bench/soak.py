@@ -1,11 +1,16 @@
 """Soak: replay the dev trace against one `lenbatch serve` for a long time and watch its memory.
 
-    bench/run.py soak -- --minutes 10 --rate-scale 2 --out bench/results/soak.md
+    bench/run.py soak -- --minutes 10 --rate-scale 2.3 --out bench/results/soak.md
+    bench/run.py soak -- --minutes 10 --rate-scale 2.3 --allocator system   # glibc's malloc
 
-Starts the server (MiniLM, the tuned config `make serve` uses), replays the bundled Azure
-trace with `lenbatch replay` (open loop, real text), samples the server's resident set every
-few seconds from /proc, and writes a Markdown result: RSS after warm-up, at the end, growth per
-hour of the trend, and the replay's summary (every request answered, error kinds).
+Starts the server on `make serve`'s line (MiniLM, the tuned config, strategy adaptive, 1 s
+SLO, `--cost auto`; `--allocator` passed through), replays the bundled Azure trace with
+`lenbatch replay` (open loop, real text; lengths x`--length-scale`, default 0.1: long inputs,
+mean ~100 tokens, clipped to 256), samples the server's resident set every few seconds from
+/proc, and writes a Markdown result: RSS after warm-up, the second half's median (steady
+state) and its growth, the end, the trend per hour, the allocator the server ran on, and the
+replay's summary (every request answered, error kinds). At `--rate-scale 2.3` the trace sends
+~12.7 requests/s (~7,600 in 10 minutes), the load of issue 23's memory check.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ def rss_mb(pid: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--rate-scale", type=float, default=2.0)
+    p.add_argument("--rate-scale", type=float, default=2.3)
+    p.add_argument("--length-scale", type=float, default=0.1)
+    p.add_argument("--allocator", choices=["auto", "tcmalloc", "system"], default="auto")
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -53,6 +60,13 @@ def main() -> None:
             "configs/minilm-azure-conv.toml",
             "--port",
             str(port),
+            "--strategy",
+            "adaptive",
+            "--slo-ms",
+            "1000",
+            "--cost",
+            "auto",
+            *(["--allocator", args.allocator] if args.allocator != "auto" else []),
             "--log-level",
             "warning",
         ],
@@ -91,7 +105,7 @@ def main() -> None:
             "--url",
             url,
             "--length-scale",
-            "0.05",
+            str(args.length_scale),
             "--max-length",
             "256",
             "--rate-scale",
@@ -117,16 +131,23 @@ def main() -> None:
     first, last = float(mb[warm][0]), float(mb[-1])
     half = t >= t[-1] / 2
     half_growth = float(mb[half][-1] - mb[half][0]) if half.sum() > 1 else 0.0
+    steady = float(np.median(mb[half]))
+    from lenbatch.runners.hardware import processor_key
+
+    memory = stats["memory"]
     lines = [
         "# Soak: memory of one server under a long replay",
         "",
         f"Command: `.venv/bin/python bench/soak.py --minutes {args.minutes:g} --rate-scale "
-        f"{args.rate_scale:g}" + (f" --out {args.out}`" if args.out else "`"),
+        f"{args.rate_scale:g} --length-scale {args.length_scale:g} --allocator {args.allocator}"
+        + (f" --out {args.out}`" if args.out else "`"),
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}. "
-        "Server: `lenbatch serve --config configs/minilm-azure-conv.toml` (MiniLM). Traffic: "
-        f"the bundled Azure trace, lengths x0.05 clipped to 256, rate x{args.rate_scale:g}, "
-        "real text bodies, open loop.",
+        f"Processor: `{processor_key()}` ({platform.machine()}, {os.cpu_count()} cores); "
+        f"{time.strftime('%Y-%m-%d')}. Server: `make serve`'s line (`lenbatch serve --config "
+        "configs/minilm-azure-conv.toml --strategy adaptive --slo-ms 1000 --cost auto`, "
+        f"MiniLM), allocator `{args.allocator}`: it ran on **{memory.get('allocator')}**. "
+        f"Traffic: the bundled Azure trace, lengths x{args.length_scale:g} clipped to 256, rate "
+        f"x{args.rate_scale:g}, real text bodies, open loop.",
         "",
         "| figure | value |",
         "|---|---:|",
@@ -139,10 +160,11 @@ def main() -> None:
         f"| server RSS after warm-up (t={t[warm][0]:.0f} s) | {first:.1f} MB |",
         f"| server RSS at the end | {last:.1f} MB |",
         f"| growth, end minus warm-up | {last - first:+.1f} MB |",
+        f"| steady state: median RSS over the second half | {steady:.1f} MB |",
         f"| growth over the second half (t={t[half][0]:.0f}-{t[-1]:.0f} s) | "
-        f"{half_growth:+.1f} MB |",
+        f"{half_growth:+.1f} MB ({100 * half_growth / mb[half][0]:+.1f} %) |",
         f"| trend (least squares after warm-up) | {slope_h:+.1f} MB/hour |",
-        f"| server peak RSS (its own /stats) | {stats['memory'].get('peak_rss_mb', 0):.1f} MB |",
+        f"| server peak RSS (its own /stats) | {memory.get('peak_rss_mb', 0):.1f} MB |",
         f"| batches / padding waste (server) | {stats['batches']} / "
         f"{100 * stats['padding_waste']:.1f} % |",
         "",

@@ -577,6 +577,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = {s.strip() for s in args.steps.split(",") if s.strip()}
     if steps - set(STEPS):
         p.error(f"unknown steps {sorted(steps - set(STEPS))}; choose from {','.join(STEPS)}")
+    # The in-process steps run on the malloc the server runs on (it preloads tcmalloc where
+    # installed, which changes the runner's speed): re-executed once here likewise.
+    from lenbatch.runners.allocator import choose
+
+    allocator = choose("auto", [sys.executable, *sys.argv] if argv is None else None)
 
     import torch
 
@@ -624,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"Command: `{cmd}`  ",
         f"Processor: `{processor_key(threads=threads)}`; {workers} batches at once on "
-        f"{threads} torch thread(s) each; {m.dtype} ({packed.precision.name})  ",
+        f"{threads} torch thread(s) each; {m.dtype} ({packed.precision.name}); in-process "
+        f"steps on {allocator}, the server on its default allocator (`--allocator auto`)  ",
         f"Traffic: {args.trace}, {args.span:g} s from t={args.start:g} s: {len(texts)} requests, "
         f"{sum(lengths):,} tokens (mean {np.mean(lengths):.0f}), {len(batches)} batches "
         f"(mean {np.mean([len(b) for b in batches]):.1f} rows)  ",
