@@ -95,8 +95,9 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize",
         choices=["none", "int8", "int4"],
-        help="weight quantization, apart from --dtype (default none); a runner that does not "
-        "implement the one asked for refuses to start: none implements int8 or int4 yet",
+        help="weight quantization, apart from --dtype (default none): causal LMs run int8 or "
+        "int4 weight-only products at small row counts; encoders implement none yet, and a "
+        "runner that does not implement the one asked for refuses to start",
     )
 
 

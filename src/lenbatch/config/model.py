@@ -27,8 +27,8 @@ class Quantization(StrEnum):
     """How a model's weights are stored, apart from the float type of its activations."""
 
     NONE = "none"  # the weights in the model's float type (`dtype`)
-    INT8 = "int8"  # 8-bit integer weights (no runner implements it yet: refused at start-up)
-    INT4 = "int4"  # 4-bit integer weights (no runner implements it yet: refused at start-up)
+    INT8 = "int8"  # 8-bit integer weights (causal LMs, weight-only; encoders refuse it)
+    INT4 = "int4"  # 4-bit integer weights (causal LMs, weight-only; encoders refuse it)
 
 
 class ModelConfig(BaseModel):
