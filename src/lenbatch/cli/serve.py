@@ -307,7 +307,7 @@ def _choose_allocator(choice: str, argv: list[str] | None) -> str:
     where `main` was called with parsed arguments: then it goes on as launched)."""
     from lenbatch.runners.allocator import choose
 
-    command = None if argv is None else [sys.executable, "-m", "lenbatch.cli.main", *argv]
+    command = None if argv is None else [sys.executable, "-m", "lenbatch", *argv]
     return choose(choice, command)
 
 
