@@ -307,7 +307,9 @@ def _choose_allocator(choice: str, argv: list[str] | None) -> str:
     where `main` was called with parsed arguments: then it goes on as launched)."""
     from lenbatch.runners.allocator import choose
 
-    command = None if argv is None else [sys.executable, "-m", "lenbatch", *argv]
+    # `-c`, not `-m lenbatch.cli.main`: runpy warns when the package already imported main.
+    entry = "import sys; from lenbatch.cli.main import main; sys.exit(main())"
+    command = None if argv is None else [sys.executable, "-c", entry, *argv]
     return choose(choice, command)
 
 
