@@ -161,13 +161,9 @@ def peer_env(server: str) -> dict[str, str]:
     if server != "vllm":
         return {}
     from lenbatch.replay.peers.external import peers_dir
-    from lenbatch.runners.allocator import find_tcmalloc
+    from lenbatch.replay.peers.vllm import vllm_preload
 
-    tcmalloc = find_tcmalloc()
-    preload = [str(tcmalloc)] if tcmalloc is not None else []
-    iomp = peers_dir() / "vllm" / "lib" / "libiomp5.so"
-    if iomp.exists():
-        preload.append(str(iomp))
+    preload = vllm_preload(peers_dir() / "vllm")
     cpus = len(os.sched_getaffinity(0))
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -28,7 +28,18 @@ from pathlib import Path
 from lenbatch.replay.peers.external import PeerContext, PeerLaunch, VenvSpec
 from lenbatch.runners.allocator import find_tcmalloc
 
-__all__ = ["VLLM", "VLLM_ALL_CORES", "VllmPeer", "hf_folder_from_gguf"]
+__all__ = ["VLLM", "VLLM_ALL_CORES", "VllmPeer", "hf_folder_from_gguf", "vllm_preload"]
+
+
+def vllm_preload(venv: Path) -> list[str]:
+    """What vLLM's CPU build wants in `LD_PRELOAD`: tcmalloc (where installed), then the venv's
+    Intel OpenMP (where present)."""
+    tcmalloc = find_tcmalloc()
+    preload = [str(tcmalloc)] if tcmalloc is not None else []
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        preload.append(str(iomp))
+    return preload
 
 
 def hf_folder_from_gguf(folder: Path, gguf_file: str, out: Path) -> Path:
@@ -101,12 +112,7 @@ class VllmPeer:
             argv += ("--runner", "pooling", "--max-model-len", "256")
         else:
             argv += ("--max-model-len", "2048")
-        tcmalloc = find_tcmalloc()
-        preload = [str(tcmalloc)] if tcmalloc is not None else []
-        iomp = ctx.venv / "lib" / "libiomp5.so"
-        if iomp.exists():
-            preload.append(str(iomp))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "LD_PRELOAD": ":".join(preload)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "LD_PRELOAD": ":".join(vllm_preload(ctx.venv))}
         bind = "auto (model on one core, the rest for the API process)"
         if self.all_cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{max(ctx.cpus, 1) - 1}"
@@ -115,7 +121,7 @@ class VllmPeer:
             f"VLLM_CPU_OMP_THREADS_BIND={bind}",
             f"{self.dtype}, --max-num-seqs {ctx.max_batch} (the bench's batch cap)",
         ]
-        if tcmalloc is None:
+        if find_tcmalloc() is None:
             notes.append("tcmalloc not found (apt-get install libtcmalloc-minimal4): slower")
         if ctx.endpoint == "completions":
             notes.append(f"model: {folder.name}, dequantized from GGUF to an HF folder")
