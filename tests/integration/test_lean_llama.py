@@ -88,6 +88,37 @@ def test_lean_logits_match_transformers_batched(
     torch.testing.assert_close(lean.forward(nxt, step, npos, c1), hf.forward(nxt, step, npos, c2))
 
 
+@pytest.mark.slow
+def test_lean_rounded_row_counts_match_transformers(tiny_llama_dir: Path) -> None:
+    """Forwards of more than 32 tokens run their matrix products on a rounded row count (zero
+    rows appended): a 2 x 19-token prefill (38 -> 40 rows) and a mixed forward of a decode
+    step and a 37-token prompt (39 -> 40 rows) give transformers' logits, each segment its
+    own (fp32)."""
+    from lenbatch.runners.base import Segment
+    from lenbatch.runners.linears import rounded_tokens
+
+    assert rounded_tokens(38) == rounded_tokens(39) == 40
+    lean = CausalLMRunner(tiny_llama_dir, name="tiny-llama", pack=False)
+    hf = CausalLMRunner(tiny_llama_dir, name="tiny-llama", lean=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (2, 19), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in one row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    c1, c2 = lean.new_cache(), hf.new_cache()
+    torch.testing.assert_close(lean.forward(ids, mask, pos, c1), hf.forward(ids, mask, pos, c2))
+    step = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], 1)
+    nxt, npos = torch.tensor([[3], [4]]), pos[:, -1:] + 1
+    prompt = torch.randint(3, 200, (1, 37), generator=gen)
+    ones, ppos = torch.ones_like(prompt), torch.arange(37)[None]
+    p2 = hf.new_cache()
+    mixed = lean.forward_segments(
+        [Segment(nxt, step, npos, c1), Segment(prompt, ones, ppos, lean.new_cache())]
+    )
+    torch.testing.assert_close(mixed[0], hf.forward(nxt, step, npos, c2))
+    torch.testing.assert_close(mixed[1], hf.forward(prompt, ones, ppos, p2))
+
+
 def test_quantization_needs_the_lean_path(tiny_gpt2_dir: Path, tiny_llama_dir: Path) -> None:
     """A quantization on a model without the lean path is refused, naming why."""
     with pytest.raises(ValueError, match="int8 needs the lean Llama path"):

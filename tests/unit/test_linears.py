@@ -54,7 +54,7 @@ def test_plain_is_forced_by_the_environment_and_used_off_cpu(
 def test_packed_row_counts_are_rounded_to_few_shapes() -> None:
     """The packed stream's row count: never below the tokens, at most 1/16 above them past
     128 tokens, and few distinct counts (each is a oneDNN kernel in the per-shape cache)."""
-    from lenbatch.runners.packed import rounded_tokens
+    from lenbatch.runners.linears import rounded_tokens
 
     counts = {rounded_tokens(n) for n in range(1, 8193)}
     for n in range(1, 8193):

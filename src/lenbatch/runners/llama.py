@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import decode_attention_op
+from lenbatch.runners.linears import rounded_tokens
 from lenbatch.runners.weightonly import LinearPlan, RowLinear, make_linear
 
 __all__ = ["LeanLlama", "lean_unsupported"]
@@ -42,6 +43,12 @@ log = logging.getLogger("lenbatch.runner")
 
 # Architectures whose forward is exactly the Llama one this module implements.
 _LLAMA_TYPES = ("llama",)
+
+# Above this many tokens in one forward, the matrix products run on a row count rounded by
+# `rounded_tokens` (zero rows appended): prompts and mixed units come in every length, and each
+# new row count builds oneDNN kernels on first use. Decode steps (one row per running sequence,
+# at most the batch cap) keep their exact count: few shapes, and the least work.
+_ROUND_ABOVE = 32
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -163,8 +170,19 @@ class LeanLlama:
         allowed |= (k == q)[None]
         return allowed[:, None]
 
+    def _prefill_mask(self, seg: Segment) -> torch.Tensor | None:
+        """The segment's boolean attention mask, or None for a whole unpadded prompt (no
+        cached columns before it, no padding): then attention is plain causal, which torch's
+        flash attention runs without a mask, skipping the blocks above the diagonal (a
+        500-token prompt's attention took 0.86 instead of 1.09 ms per layer, and no mask
+        conversion)."""
+        new = int(seg.input_ids.shape[1])
+        if new > 1 and int(seg.mask.shape[1]) == new and bool(seg.mask.all()):
+            return None
+        return self.attention_mask(seg.mask, new)
+
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """Attention of `q` `[rows, heads, new, dim]` over the cached `keys`/`values`.
 
@@ -178,6 +196,10 @@ class LeanLlama:
         """
         rows, nh, new, hd = q.shape
         nkv = self.kv_heads
+        if mask is None:  # a whole unpadded prompt: causal, no mask
+            return F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=self.scale, enable_gqa=nh != nkv
+            )
         if new == 1 and self.kernel is not None:
             flat = q.reshape(rows, nh, hd).contiguous()
             out: torch.Tensor = self.kernel.decode_attention(
@@ -232,14 +254,21 @@ class LeanLlama:
         one = len(segments) == 1
         ids = [s.input_ids.reshape(-1) for s in segments]
         h = F.embedding(ids[0] if one else torch.cat(ids), self.embed)  # [tokens, hidden]
+        # Zero rows up to the rounded count stay zero through every layer (RMSNorm of zeros,
+        # products of zeros); attention and the cache see only the real tokens.
+        stream = rounded_tokens(tokens) if tokens > _ROUND_ABOVE else tokens
+        pad = stream - tokens
+        if pad:
+            h = F.pad(h, (0, 0, 0, pad))
+        filler = [h.new_zeros(pad, nh * hd)] if pad else []  # the attention output's zero rows
         tables = [(self.cos[s.positions], self.sin[s.positions]) for s in segments]
-        masks = [self.attention_mask(s.mask, int(s.input_ids.shape[1])) for s in segments]
+        masks = [self._prefill_mask(s) for s in segments]
         kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
         shape = (hidden,)
         x = F.rms_norm(h, shape, self.layers[0].ln1, self.eps)
         last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            qkv_all = layer.qkv(x, tokens)
+            qkv_all = layer.qkv(x, stream)
             parts = []
             for j, seg in enumerate(segments):
                 rows, new = sizes[j]
@@ -257,22 +286,23 @@ class LeanLlama:
                 keys, values = seg.cache.update(k, v, i)
                 a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
                 parts.append(a.reshape(counts[j], nh * hd))
-            a = parts[0] if one else torch.cat(parts)
-            h, x = self._add_norm(h, layer.o(a, tokens), layer.ln2)
-            gu = layer.gate_up(x, tokens)
+            parts += filler
+            a = parts[0] if len(parts) == 1 else torch.cat(parts)
+            h, x = self._add_norm(h, layer.o(a, stream), layer.ln2)
+            gu = layer.gate_up(x, stream)
             if kernel is not None and gu.dim() == 2 and gu.is_contiguous():
                 act = kernel.silu_mul(gu)  # one pass, one rounding
             else:
                 gate, up = gu.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            down = layer.down(act, tokens)
+            down = layer.down(act, stream)
             if i < last_layer:
                 h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
             else:
                 h = h + down
         if one:
             rows, new = sizes[0]
-            last_h = h.view(rows, new, hidden)[:, -1]
+            last_h = h[:tokens].view(rows, new, hidden)[:, -1]
         else:
             # each row's last column: row r of segment j sits at offsets[j] + r * new + new - 1
             idx = torch.cat(

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from lenbatch.core.collate import Collated, Packed, pack_collated
 from lenbatch.runners.encoder import EncoderRunner
-from lenbatch.runners.linears import Linear, linear_kind
+from lenbatch.runners.linears import Linear, linear_kind, rounded_tokens
 from lenbatch.runners.memory import current_rss
 
-__all__ = ["PackedEncoderRunner", "rounded_tokens", "supports_packing"]
+__all__ = ["PackedEncoderRunner", "supports_packing"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -199,16 +199,6 @@ class PackedEncoderRunner(EncoderRunner):
             return out.scatter_reduce(0, index, x, reduce="amax", include_self=False)
         lengths = (offsets[1:] - offsets[:-1]).to(x.dtype).unsqueeze(1)
         return out.index_add_(0, rows, x) / lengths
-
-
-def rounded_tokens(tokens: int) -> int:
-    """`tokens` rounded up to one of 16 steps per power of two (at least 8): the row count
-    the packed stream's matrix products see. Why: every distinct row count is a new oneDNN
-    kernel in its per-shape cache, and the trace's batches have thousands of distinct token
-    counts (resident memory grew with them); rounded, there are a few hundred, for at most
-    1/16 more rows."""
-    step = max(8, 1 << max(0, tokens.bit_length() - 5))
-    return -(-tokens // step) * step
 
 
 class _Attention:
