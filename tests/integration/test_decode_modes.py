@@ -218,3 +218,24 @@ async def test_a_failure_while_sampling_first_tokens_fails_that_prompt_alone(
     assert [len(o) for i, o in enumerate(out) if i != 1] == [3, 3, 3]
     assert [len(o) for o in after] == [3]
     assert not engine.unanswered
+
+
+async def test_an_idle_continuous_engine_admits_at_once(llama_runner: Any) -> None:
+    """Decoding continuously, a prompt that finds the engine idle is admitted without waiting
+    out the max wait (later arrivals join the running batch anyway); a lockstep engine waits
+    for batch-mates as configured."""
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = llama_runner.tokenize(PROMPTS[:1])[0]
+    waits = {}
+    for mode in (DecodeMode.CONTINUOUS, DecodeMode.LOCKSTEP):
+        batching = BatchingConfig(strategy="fifo", max_batch=8, max_wait_ms=400)
+        engine = GenerationEngine(llama_runner, batching, generation=GenerationConfig(mode=mode))
+        await engine.start()
+        try:
+            gen = engine.submit(prompt, p)
+            await _drain(engine, [gen])
+        finally:
+            await engine.stop()
+        waits[mode] = gen.timings.stages()["queue"]
+    assert waits[DecodeMode.CONTINUOUS] < 0.1
+    assert waits[DecodeMode.LOCKSTEP] >= 0.4

@@ -78,23 +78,33 @@ async def test_greedy_batched_equals_generate_alone(
 async def test_chunked_prefill_equals_generate_alone(
     arch: str, greedy_refs: dict[str, Any]
 ) -> None:
-    """With a step budget far below the prompt lengths, prefill runs in chunks between
-    decode steps, and the tokens are still those of generate() alone."""
+    """With a step budget far below the prompt lengths, late joiners are prefilled in chunks
+    beside the running rows' decode steps (mixed in or between them), prompts that find nothing
+    decoding run whole, and the tokens are still those of generate() alone."""
     runner, prompts, expected = greedy_refs[arch]
     engine = _engine(runner, DecodeMode.CONTINUOUS, step_tokens=6)
-    chunks = []
-    real_prefill = engine.decoder.prefill
+    decoder = engine.decoder
+    chunks: list[tuple[int, int, int]] = []  # (running rows, chunk columns, columns left)
+    real_prefill, real_mixed = decoder.prefill, decoder.mixed
 
-    def spy(job: Any, cols: int) -> Any:
-        chunks.append(min(cols, job.remaining))
+    def spy_prefill(job: Any, cols: int) -> Any:
+        chunks.append((decoder.running_rows, min(cols, job.remaining), job.remaining))
         return real_prefill(job, cols)
 
-    engine.decoder.prefill = spy  # type: ignore[method-assign]
+    def spy_mixed(job: Any, cols: int) -> Any:
+        chunks.append((decoder.running_rows, min(cols, job.remaining), job.remaining))
+        return real_mixed(job, cols)
+
+    decoder.prefill = spy_prefill  # type: ignore[method-assign]
+    decoder.mixed = spy_mixed  # type: ignore[method-assign]
     got, _ = await _run_with_late_joiners(
         engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0)
     )
     assert got == expected
-    assert max(chunks) < max(len(p) for p in prompts), "prefill was not chunked"
+    beside = [c for rows, c, _ in chunks if rows]
+    assert beside and max(beside) <= 6, "late joiners' prefill was not chunked"
+    alone = [(c, left) for rows, c, left in chunks if not rows]
+    assert alone and all(c == left for c, left in alone), "an idle engine chunked a prompt"
 
 
 @pytest.mark.parametrize("step_tokens", [6, 256])

@@ -64,15 +64,17 @@ def test_continuous_capacity_counts_running_and_pending_rows() -> None:
 
 def test_continuous_chunks_prefill_under_the_step_budget_and_alternates() -> None:
     """A chunk gets the step budget minus the running rows, split over the job's rows, and
-    decode steps run between chunks while sequences are decoding."""
+    decode steps run between chunks while sequences are decoding; with none decoding, the
+    prompt runs whole."""
     p = ContinuousPolicy(max_running=32, step_tokens=64)
     core = _Core(jobs=deque([_Job(4, 100)]), running_rows=8)
     unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
     assert unit is not None and unit.kind == "prefill" and unit.cols == (64 - 8) // 4
     after = p.next_unit(core, "prefill")  # type: ignore[arg-type]
     assert after is not None and after.kind == "decode"
+    # with nothing decoding no stream waits on the unit: the whole prompt in one pass
     alone = p.next_unit(_Core(jobs=deque([_Job(4, 100)])), "prefill")  # type: ignore[arg-type]
-    assert alone is not None and alone.kind == "prefill" and alone.cols == 16
+    assert alone is not None and alone.kind == "prefill" and alone.cols == 100
 
 
 def test_continuous_mixes_chunks_into_decode_steps_where_the_runner_can() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from lenbatch.config import (
 )
 from lenbatch.core.clock import Clock
 from lenbatch.core.errors import BadInput, InputTooLong, LenbatchError
-from lenbatch.core.lanes import resolve_lanes
+from lenbatch.core.lanes import SchedulerConfig, resolve_lanes
 from lenbatch.core.request import Request
 from lenbatch.core.scheduler import schedule
 from lenbatch.generate.adaptive import (
@@ -142,6 +143,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 compile=self.generation.compile,
             )
         self.decoder = Decoder(runner, self.clock.now, self.policy.release_on_merge, shapes)
+        self._unit_s = 0.0  # wall seconds of the last unit (the admission horizon)
 
     def _max_rows(self) -> int:
         """Most generations decoding at once: the running cap, or one scheduler batch."""
@@ -321,6 +323,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 continue
             started = self.clock.now()
             executed = await self._execute(scheduled.unit)
+            self._unit_s = self.clock.now() - started
             last = executed.kind if isinstance(executed, UnitResult) else None
             self._update(executed)
             if self.adaptive is not None and isinstance(executed, UnitResult):
@@ -335,12 +338,7 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         if self.adaptive is not None and self.queues.size > 0:
             self._shed_overdue(self.clock.now())
         if room > 0 and self.queues.size > 0:
-            cfg = self.cfg
-            if any(p.max_batch > room for p in cfg.lanes):
-                lanes = tuple(
-                    dataclasses.replace(p, max_batch=min(p.max_batch, room)) for p in cfg.lanes
-                )
-                cfg = dataclasses.replace(cfg, lanes=lanes)
+            cfg = self._admission_config(room)
             now = self.clock.now()
             decision = schedule(self.queues, now, cfg)
             for r in decision.expired:
@@ -354,6 +352,31 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             wake_at = decision.wake_at
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
         return Scheduled(self.policy.next_unit(self.decoder, last), wake_at)
+
+    def _admission_config(self, room: int) -> SchedulerConfig:
+        """The scheduler's lanes for this turn: batches of at most `room` rows and, decoding
+        continuously, a max wait cut by the time to the next chance to admit.
+
+        Prompts can only join at a unit boundary. An idle engine admits at once (waiting for
+        batch-mates gains nothing when there is no other work: the next arrivals join the
+        running batch a unit later anyway); a busy one admits now the lanes whose max wait would
+        run out before the next boundary, the next unit timed as the last. Without the cut, a
+        prompt could wait its max wait plus a whole unit (10 ms + a 20-150 ms step) before it
+        is admitted. Lockstep batches keep the plain max wait: nobody joins them later.
+        """
+        cfg = self.cfg
+        horizon = 0.0
+        if self.mode == "continuous":
+            horizon = math.inf if self.decoder.idle else self._unit_s
+        if not any(p.max_batch > room or (horizon > 0 and p.max_wait > 0) for p in cfg.lanes):
+            return cfg
+        lanes = tuple(
+            dataclasses.replace(
+                p, max_batch=min(p.max_batch, room), max_wait=max(0.0, p.max_wait - horizon)
+            )
+            for p in cfg.lanes
+        )
+        return dataclasses.replace(cfg, lanes=lanes)
 
     async def _execute(self, unit: Unit) -> UnitResult | Recovery:
         """Run `unit` in the worker thread; if it raises, recover (on the event loop, the

@@ -8,7 +8,8 @@ length bucketing, max wait and the token budget mean the same in both; they diff
   nobody joins until the batch is empty.
 * `continuous`: iteration-level scheduling. New batches are admitted whenever the running batch
   has room (`max_running`); they are prefilled in chunks of at most `step_tokens` tokens minus the
-  running rows, so a long prompt never stalls running streams for more than one chunk; when its
+  running rows, so a long prompt never stalls running streams for more than one chunk (with no
+  stream running, a prompt is prefilled whole, in one pass); when its
   prefill is done a batch's rows join the running decode batch. Where the runner can (the lean
   Llama path, `Decoder.mixer`), each chunk runs in one forward with the running rows' decode
   step (a "mixed" unit, as vLLM's and llama.cpp's steps carry prompt and decode tokens
@@ -93,7 +94,9 @@ class ContinuousPolicy:
         if decoder.jobs:
             job = decoder.jobs[0]
             budget = self.step_tokens - decoder.running_rows
-            cols = max(1, budget // job.rows)
+            # With nothing decoding, no stream waits on this unit: the whole prompt in one pass
+            # (each chunk would pay its own pass over the weights), up to the memory cap.
+            cols = max(1, budget // job.rows) if decoder.running_rows else job.remaining
             if job.max_cols is not None:
                 cols = min(cols, job.max_cols)
             cols = min(cols, job.remaining)
