@@ -374,7 +374,8 @@ def llm_decode_replay(args: argparse.Namespace) -> list[Step]:
         log, stats = ROOT / f"{stem}.server.log", ROOT / f"{stem}.stats.json"
         steps.append(ServeDuring(serve, (replay,), log, stats))
         made.append(ROOT / f"{stem}.json")
-    where = " ".join(str(p.relative_to(ROOT)) for p in made)
+    # `--out` may lie outside the checkout (a scratch folder): name those files in full
+    where = " ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in made)
     steps.append(show_table("llm-decode", where, lambda: tables.llm_decode_table(made)))
     return steps
 
