@@ -109,6 +109,19 @@ def _scaled(plan: ReplayPlan, rate: float) -> ReplayPlan:
     return replace(plan, scheduled=plan.scheduled / rate, notes=(*plan.notes, f"rate x{rate:g}"))
 
 
+def _cpu_spent(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float] | None:
+    """The server's CPU seconds between two readings; None where /proc could not tell."""
+    if before is None or after is None:
+        return None
+    spent = {k: after[k] - before[k] for k in after}
+    # The process's figure counts whole clock ticks and the loop's nanoseconds: the process
+    # spent at least what its loop did.
+    spent["process_s"] = max(spent["process_s"], spent["loop_s"])
+    return spent
+
+
 def _offered_rps(plan: ReplayPlan, rate: float) -> float | None:
     """Requests per second the plan offers at `rate`: over its span when it has one (a fixed
     stretch of trace time), else from the first to the last send."""
@@ -165,11 +178,7 @@ def run_on_one_server(cfg: BenchConfig, target: Target, rates: Sequence[float]) 
             summary["startup_s"] = ready_s
             summary["server_started_for_this_run"] = len(rates) == 1
             # The server's CPU time during the replay: the calibration's per-request CPU share.
-            summary["server_cpu"] = (
-                {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
-                if cpu_before is not None and cpu_after is not None
-                else None
-            )
+            summary["server_cpu"] = _cpu_spent(cpu_before, cpu_after)
             summary["cpu_count"] = os.cpu_count()
             summary["offered_rps"] = _offered_rps(cfg.plan, rate)
             done.append((rate, tag, summary, result))

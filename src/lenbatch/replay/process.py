@@ -70,6 +70,17 @@ def _cpu_seconds(stat_path: str) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
 
 
+def _thread_cpu_seconds(pid: int, tid: int) -> float | None:
+    """CPU seconds of one thread, to the nanosecond from its schedstat where the kernel keeps
+    one (a short replay's event loop may use less than one 10 ms clock tick), else from its
+    stat in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+
+
 class ServerProcess:
     """A server subprocess in its own process group, with a peak-RSS sampler."""
 
@@ -105,7 +116,7 @@ class ServerProcess:
         loop: HTTP, JSON, tokenization, scheduling) and of its whole process; None where
         /proc cannot tell."""
         pid = self.proc.pid
-        loop = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+        loop = _thread_cpu_seconds(pid, pid)
         process = _cpu_seconds(f"/proc/{pid}/stat")
         if loop is None or process is None:
             return None
