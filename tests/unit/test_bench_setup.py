@@ -152,6 +152,24 @@ def test_span_fixes_the_trace_window_whatever_the_rate_scale() -> None:
             _traffic([*base, *extra, *url])
 
 
+@pytest.mark.slow
+def test_each_rate_of_a_sweep_sends_the_same_arrivals_and_lengths_in_fresh_text() -> None:
+    """A server that caches prompt prefixes must not answer a later rate from what an earlier
+    rate sent: every rate after the first gets other text of the same lengths, at the same
+    offsets, and the first rate's plan is the traffic's own."""
+    traffic = _traffic(["replay", "azure-conv", "--start", "600", "--span", "20",
+                        "--length-scale", "0.05", "--max-length", "256",
+                        "--url", "http://127.0.0.1:1"])  # fmt: skip
+    plans = traffic.rate_plans(3, seed=0)
+    assert plans[0] is traffic.plan and len(plans) == 3
+    for plan in plans[1:]:
+        np.testing.assert_array_equal(plan.scheduled, traffic.plan.scheduled)
+        assert np.abs(plan.lengths - traffic.plan.lengths).max() <= 2
+        assert not set(plan.bodies) & set(traffic.plan.bodies)
+    assert not set(plans[1].bodies) & set(plans[2].bodies)
+    assert [p.bodies for p in traffic.rate_plans(2, seed=0)] == [p.bodies for p in plans[:2]]
+
+
 def test_oracle_figures_use_each_strategys_batching_on_the_bench_requests(tmp_path: Path) -> None:
     """The oracle sees the plan's real lengths and each server's caps: a strategy with a
     smaller --max-batch-tokens in its serve flags gets a lower bound, peers the plain one."""

@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         max_batch=args.max_batch,
         keep_server=args.keep_server,
+        rate_plans=traffic.rate_plans(len(args.rate_sweep), args.seed),
         **driver_options(args),
     )
     path = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,8 @@ def add_traffic_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="replay a fixed S seconds of trace time from --start (before --rate-scale), so a "
-        "rate sweep sends the same requests at every rate and the run lasts S / rate; "
+        "rate sweep sends the same arrivals and lengths at every rate (each rate's text drawn "
+        "afresh) and the run lasts S / rate; "
         "--scenario: its length in scenario time. Not with --duration or --end",
     )
     g.add_argument("--seed", type=int, default=0, help="scenario and text seed (default 0)")
@@ -122,6 +124,16 @@ class Traffic:
     endpoint: Endpoint
     warmup: list[bytes]
     max_length: int | None
+    # The plan again with its text drawn by another seed: the same arrivals and lengths.
+    plan_with_text: Callable[[int], ReplayPlan] | None = None
+
+    def rate_plans(self, n: int, seed: int) -> list[ReplayPlan]:
+        """One plan per rate of an `n`-rate sweep: `plan` first, then the same arrivals and
+        lengths with text drawn afresh (seeds past the warm-up's), so a server that caches
+        prompt prefixes (vLLM does by default) cannot answer one rate from what an earlier
+        rate sent it."""
+        redraw = self.plan_with_text
+        return [self.plan if redraw is None or k == 0 else redraw(seed + 1 + k) for k in range(n)]
 
 
 def traffic_from_args(args: argparse.Namespace) -> Traffic:
@@ -169,33 +181,40 @@ def traffic_from_args(args: argparse.Namespace) -> Traffic:
         )
     if args.endpoint == "completions":
         trace = _map_outputs(trace, args.output_scale, args.max_output)
-    if args.payload == "text":
-        bodies = builder.texts(trace.input_lengths, seed=args.seed)
-    else:
-        bodies = builder.token_ids(trace.input_lengths, seed=args.seed)
-    note = (
-        f"bodies: {args.payload} from bundled real text, {bodies.exact} of {len(bodies.lengths)} "
-        f"at their exact trace length in {args.model}'s tokenizer"
-    )
-    if bodies.mismatched:
-        diff = np.abs(bodies.lengths - trace.input_lengths)
-        note += f" (others off by at most {int(diff.max())} tokens; real lengths are reported)"
-        print(f"replay: {note}", file=sys.stderr)
     endpoint = make_endpoint(args.endpoint, args.served_model, not args.no_ignore_eos)
-    notes: tuple[str, ...] = (note,)
-    span_s = None
-    if span is not None:
-        span_s = span / args.rate_scale
-        notes += (
-            f"span: {span:g} s of trace time, {len(trace)} requests, replayed in "
-            f"{span_s:g} s at rate x1 (the same requests at every rate of a sweep)",
+    span_s = None if span is None else span / args.rate_scale
+
+    def plan_with_text(seed: int) -> ReplayPlan:
+        """The plan with bodies drawn from the bundled text by `seed`."""
+        if args.payload == "text":
+            bodies = builder.texts(trace.input_lengths, seed=seed)
+        else:
+            bodies = builder.token_ids(trace.input_lengths, seed=seed)
+        note = (
+            f"bodies: {args.payload} from bundled real text, {bodies.exact} of "
+            f"{len(bodies.lengths)} at their exact trace length in {args.model}'s tokenizer"
         )
-    plan = plan_from_trace(
-        trace, endpoint, bodies.inputs, bodies.lengths, notes=notes, span_s=span_s
-    )
+        if bodies.mismatched:
+            diff = np.abs(bodies.lengths - trace.input_lengths)
+            note += f" (others off by at most {int(diff.max())} tokens; real lengths are reported)"
+            if seed == args.seed:
+                print(f"replay: {note}", file=sys.stderr)
+        notes: tuple[str, ...] = (note,)
+        if span is not None:
+            notes += (
+                f"span: {span:g} s of trace time, {len(trace)} requests, replayed in "
+                f"{span_s:g} s at rate x1 (the same arrivals and lengths at every rate of a "
+                "sweep; each rate's text drawn afresh)",
+            )
+        return plan_from_trace(
+            trace, endpoint, bodies.inputs, bodies.lengths, notes=notes, span_s=span_s
+        )
+
     warm = builder.texts([8, 32, 64, 16], seed=args.seed + 1)
     warmup = [endpoint.body(x, 4) for x in warm.inputs]
-    return Traffic(trace, plan, endpoint, warmup, args.max_length)
+    return Traffic(
+        trace, plan_with_text(args.seed), endpoint, warmup, args.max_length, plan_with_text
+    )
 
 
 def _map_outputs(trace: Trace, scale: float, limit: int | None) -> Trace:

@@ -7,7 +7,9 @@ summary and per-request columns. The server's process-tree RSS is sampled while 
 every target's peak memory is measured the same way. Then `report.write_report`.
 
 The request bodies are built once, before any server starts, so every target gets the very
-same requests at the very same offsets.
+same requests at the very same offsets. Each rate of a sweep may have its own bodies
+(`BenchConfig.rate_plans`: the same offsets and lengths, other text), so that a server that
+caches prompt prefixes answers no rate from what an earlier one sent it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ class BenchConfig:
     model: str = "minilm"  # what peers from other projects are launched with
     max_batch: int = 32
     keep_server: bool = False  # start each target once for the whole rate sweep
+    # One plan per rate of `rates` (see `cli.traffic.Traffic.rate_plans`); empty: `plan` at
+    # every rate.
+    rate_plans: Sequence[ReplayPlan] = ()
+
+    def plan_at(self, rate: float) -> ReplayPlan:
+        """What is replayed at `rate`: its own plan where the sweep has one, else `plan`."""
+        if self.rate_plans and rate in self.rates:
+            return self.rate_plans[list(self.rates).index(rate)]
+        return self.plan
 
 
 def machine_description() -> str:
@@ -162,7 +173,7 @@ def run_on_one_server(cfg: BenchConfig, target: Target, rates: Sequence[float]) 
             result = asyncio.run(
                 replay(
                     server.url,
-                    _scaled(cfg.plan, rate),
+                    _scaled(cfg.plan_at(rate), rate),
                     cfg.endpoint,
                     clients=cfg.clients,
                     timeout_s=cfg.timeout_s,
