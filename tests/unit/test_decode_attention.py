@@ -92,17 +92,18 @@ def test_rejects_mismatched_shapes() -> None:
 @pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_add_rms_norm_equals_torch(rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("hidden", [96, 104])  # whole 16-wide vectors; vectors and a tail
+def test_add_rms_norm_equals_torch(rows: int, hidden: int, dtype: torch.dtype) -> None:
     """The fused residual add + RMSNorm: `h` becomes `h + delta` exactly as torch adds, and the
     output equals `F.rms_norm` of it (float32 within 1e-6; bfloat16 within one rounding)."""
     op = da.decode_attention_op()
     assert op is not None
     gen = torch.Generator().manual_seed(rows)
-    h = torch.randn(rows, 2, 96, generator=gen).to(dtype)
-    delta = torch.randn(rows, 2, 96, generator=gen).to(dtype)
-    weight = (1 + 0.2 * torch.randn(96, generator=gen)).to(dtype)
+    h = torch.randn(rows, 2, hidden, generator=gen).to(dtype)
+    delta = torch.randn(rows, 2, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
     want_h = h + delta
-    want = F.rms_norm(want_h.float(), (96,), weight.float(), 1e-5)
+    want = F.rms_norm(want_h.float(), (hidden,), weight.float(), 1e-5)
     got = op.add_rms_norm(h, delta, weight, 1e-5)
     assert torch.equal(h, want_h)  # added in place
     tol = 1e-6 if dtype == torch.float32 else 8e-3
@@ -141,10 +142,13 @@ def test_rope_equals_rotate_half(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_equals_torch(dtype: torch.dtype) -> None:
-    """A gated MLP's activation, `silu(gate) * up` of `[gate | up]`, as torch computes it."""
+    """A gated MLP's activation, `silu(gate) * up` of `[gate | up]`, as torch computes it, in
+    16-wide vectors and a scalar tail (40 columns), gates far past e^x's float32 range
+    included."""
     op = da.decode_attention_op()
     assert op is not None
     gu = (3 * torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(5))).to(dtype)
+    gu[0, :40] = torch.linspace(-120, 120, 40).to(dtype)
     gate, up = gu.float().chunk(2, dim=-1)
     want = F.silu(gate) * up
     tol = 1e-5 if dtype == torch.float32 else 2e-2
