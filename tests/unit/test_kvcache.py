@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from lenbatch.generate import kvcache
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
 
 HEADS, DIM, LAYERS = 2, 3, 2
@@ -146,3 +148,37 @@ def test_rows_that_end_are_replaced_from_the_tail() -> None:
     assert fill_from_tail([True, True]) == []
     assert fill_from_tail([False, False]) == [0, 1]
     assert fill_from_tail([True, True, False, False, True, False]) == [3, 5, 2]
+
+
+def _poisoned(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _window_is_finite(b: KVBatch) -> bool:
+    layers = b.cache.layers
+    return all(bool(torch.isfinite(t).all()) for x in layers for t in (x.keys, x.values))
+
+
+def test_uninitialised_buffers_never_reach_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers are allocated uninitialised (here: NaN, which a masked column would still turn
+    into a NaN output): through adoption, merges wider and larger than the headroom, appends
+    past it and out-of-order selection, every column a window shows is finite, and a
+    fixed-shape refit of a buffer never zero-filled gets one that is finite throughout."""
+    monkeypatch.setattr(kvcache, "_fresh", _poisoned)
+    a = _batch([3, 1], 0)
+    assert _window_is_finite(a)
+    a = merge(a, _batch([20], 500))  # grows left within the headroom
+    assert _window_is_finite(a)
+    a = merge(a, _batch([120] + [2] * 10, 1000))  # grows left beyond the headroom, and down
+    assert _window_is_finite(a)
+    for step in range(70):  # past the right headroom
+        _append_column(a, [float(step)] * a.rows)
+    assert _window_is_finite(a)
+    a.select([5, 0, 3])
+    a = merge(a, _batch([400, 7], 2000))
+    assert _window_is_finite(a)
+    expected = _rows(a)
+    layer = a.cache.layers[0]
+    layer.fit(int(layer.kbuf.shape[0]), int(layer.kbuf.shape[2]))  # the very shape it has
+    assert bool(torch.isfinite(layer.kbuf).all()) and bool(torch.isfinite(layer.vbuf).all())
+    assert _rows(a) == expected

@@ -19,6 +19,12 @@ which is what attention reads (SDPA takes the strided view as is). Columns a row
 hold zeros or stale keys of an earlier row, always finite, and are masked, so they never change
 a row's result; each row carries its own next position id, so absolute-position models (GPT-2)
 see the same positions as when the row runs alone.
+
+Buffers are allocated uninitialised and only what a window can come to read is written: a
+claimed row's columns left of its keys (zeros), its keys, and columns right of the window as
+decode steps write them. Spare rows stay untouched until a merge claims them. Zero-filling
+whole buffers instead cost 9 ms per 500-token prompt (30 layers; a one-row prefill's buffers
+hold eight spare rows), measured on an Intel Xeon family 6 model 167, 2 cores.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ __all__ = ["KVBatch", "WindowCache", "WindowLayer", "cache_bytes", "merge"]
 # Spare columns on each side and spare rows a fresh buffer gets; growth doubles them.
 _SPARE_COLS = 64
 _SPARE_ROWS = 8
+
+
+def _fresh(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised buffer of `like`'s dtype and device (tests poison it with NaN)."""
+    return like.new_empty(shape)
 
 
 def _plain_layers(cache: Any) -> list[Any]:
@@ -69,6 +80,7 @@ class WindowLayer(DynamicLayer):
         super().__init__()  # type: ignore[no-untyped-call]
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
+        self.zeroed = False  # every element of the buffers written (`fit`'s fixed shapes)
         self.rows = 0
         self.start = 0
         self.end = 0
@@ -97,12 +109,14 @@ class WindowLayer(DynamicLayer):
         """Start from `keys`/`values` `[rows, heads, width, dim]` (copied into new buffers)."""
         rows, heads, width, kdim = keys.shape
         self.device = keys.device
-        self.kbuf = keys.new_zeros((rows + _SPARE_ROWS, heads, width + 2 * _SPARE_COLS, kdim))
+        self.kbuf = _fresh(keys, (rows + _SPARE_ROWS, heads, width + 2 * _SPARE_COLS, kdim))
         shape_v = (rows + _SPARE_ROWS, heads, width + 2 * _SPARE_COLS, values.shape[-1])
-        self.vbuf = values.new_zeros(shape_v)
+        self.vbuf = _fresh(values, shape_v)
+        self.zeroed = False
         self.rows, self.start, self.end = rows, _SPARE_COLS, _SPARE_COLS + width
-        self.kbuf[:rows, :, self.start : self.end] = keys
-        self.vbuf[:rows, :, self.start : self.end] = values
+        for buf, src in ((self.kbuf, keys), (self.vbuf, values)):
+            buf[:rows, :, : self.start].zero_()  # read (masked) once the window grows left
+            buf[:rows, :, self.start : self.end] = src
         self.reslice()
 
     def reserve(self, rows: int, left: int, right: int) -> None:
@@ -120,11 +134,13 @@ class WindowLayer(DynamicLayer):
         new_cols = new_left + width + new_right
         for name in ("kbuf", "vbuf"):
             old: torch.Tensor = getattr(self, name)
-            new = old.new_zeros((new_rows, old.shape[1], new_cols, old.shape[3]))
+            new = _fresh(old, (new_rows, old.shape[1], new_cols, old.shape[3]))
+            new[: self.rows, :, :new_left].zero_()
             new[: self.rows, :, new_left : new_left + width] = old[
                 : self.rows, :, self.start : self.end
             ]
             setattr(self, name, new)
+        self.zeroed = False
         self.start, self.end = new_left, new_left + width
         self.reslice()
 
@@ -136,7 +152,8 @@ class WindowLayer(DynamicLayer):
         width = self.width
         if width >= cols_cap or self.rows > rows_cap:
             raise RuntimeError(f"bug: {self.rows}x{width} does not fit {rows_cap}x{cols_cap}")
-        same = self.kbuf.shape[0] == rows_cap and self.kbuf.shape[2] == cols_cap
+        # A fixed-shape step reads the whole buffer: only a zero-filled one is kept.
+        same = self.zeroed and self.kbuf.shape[0] == rows_cap and self.kbuf.shape[2] == cols_cap
         if same and self.end < cols_cap:
             return
         for name in ("kbuf", "vbuf"):
@@ -148,6 +165,7 @@ class WindowLayer(DynamicLayer):
                 new = old.new_zeros((rows_cap, old.shape[1], cols_cap, old.shape[3]))
                 new[: self.rows, :, :width] = win
                 setattr(self, name, new)
+        self.zeroed = True
         self.start, self.end = 0, width
         self.reslice()
 
@@ -213,10 +231,11 @@ class WindowLayer(DynamicLayer):
         self.reserve(self.rows + n, grow, 0)
         assert self.kbuf is not None and self.vbuf is not None
         self.start -= grow
-        # New rows' columns before their own prompt keep whatever finite values are there
-        # (zeros or an earlier row's keys): masked.
-        self.kbuf[self.rows : self.rows + n, :, self.end - width : self.end] = keys
-        self.vbuf[self.rows : self.rows + n, :, self.end - width : self.end] = values
+        rows = slice(self.rows, self.rows + n)
+        for buf, src in ((self.kbuf, keys), (self.vbuf, values)):
+            if not self.zeroed:  # the claimed rows' columns before their own keys: masked
+                buf[rows, :, : self.end - width].zero_()
+            buf[rows, :, self.end - width : self.end] = src
         self.rows += n
         self.reslice()
 
