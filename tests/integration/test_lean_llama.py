@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from lenbatch.runners.causal import CausalLMRunner
 from lenbatch.runners.weightonly import (
     INT4_GROUP,
+    LARGE_ROWS,
     Int4Linear,
     Int8Linear,
+    LargeRowsLinear,
     LinearPlan,
     make_linear,
+    measure_large_rows,
     measure_switch,
 )
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
@@ -170,6 +173,38 @@ def test_switch_takes_dense_above_the_switch_point() -> None:
     torch.testing.assert_close(lin(x, 4), F.linear(x, w))  # dense: exact
     assert not torch.equal(lin(x[:2], 2), F.linear(x[:2], w))  # int8: rounded
     assert 0 <= measure_switch((64, 64), torch.float32, "int4", False) <= 128
+
+
+def test_large_row_counts_take_f_linear_where_it_measured_faster() -> None:
+    """A prepacked weight that keeps its plain copy runs `F.linear` from each probed row count
+    where that won up to the next probed count, the prepacked product elsewhere; both give
+    `F.linear`'s product. The probe answers probed row counts only."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn((48, 64), generator=gen) * 0.02
+    lin = LargeRowsLinear(w, plain_at=(384,))
+    for rows, plain in ((8, False), (383, False), (384, True), (511, True), (512, False)):
+        assert (lin.choice(rows) is lin.plain) is plain, rows
+        x = torch.randn((rows, 64), generator=gen)
+        torch.testing.assert_close(lin(x, rows), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert set(measure_large_rows((32, 64), torch.float32)) <= set(LARGE_ROWS)
+
+
+def test_only_a_layers_prepacked_weights_keep_a_plain_copy(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the probe finds `F.linear` faster at large row counts, the layers' prepacked
+    weights keep their plain copy; the output matrix (last rows only) and unpacked plans
+    never do."""
+    import lenbatch.runners.weightonly as wo
+
+    monkeypatch.setattr(wo, "large_rows_plain", lambda shape, dtype: (256,))
+    r = CausalLMRunner(tiny_llama_dir, pack=True)
+    assert r.lean is not None
+    layer = r.lean.layers[0]
+    assert all(isinstance(x, LargeRowsLinear) for x in (layer.qkv, layer.o, layer.down))
+    assert not isinstance(r.lean.lm_head, LargeRowsLinear)
+    plain = CausalLMRunner(tiny_llama_dir, pack=False)
+    assert plain.lean is not None and not isinstance(plain.lean.layers[0].o, LargeRowsLinear)
 
 
 def test_int4_keeps_the_output_matrix_in_int8(tiny_llama_dir: Path) -> None:

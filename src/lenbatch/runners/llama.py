@@ -6,8 +6,9 @@ runs the same computation with less per-step overhead:
 
 * q/k/v fused into one matrix product, gate/up into another (7 linears per layer become 4);
 * every linear behind `weightonly.make_linear`: oneDNN-prepacked weights where that is faster than
-  `F.linear` on this CPU, or weight-only int8 / int4 (`--quantize`) for small row counts, dense
-  above the switch point measured on this processor;
+  `F.linear` on this CPU (a layer's weight keeps its plain copy for a whole prompt's row counts
+  where `F.linear` measured faster for its shape), or weight-only int8 / int4 (`--quantize`)
+  for small row counts, dense above the switch point measured on this processor;
 * `F.rms_norm`; RoPE cos/sin tables computed once for every position; one boolean attention mask
   per forward (shared by every layer), not a 4-D float mask rebuilt per layer;
 * a decode step's attention through a small C++ op (`runners/decode_attention.py`, built just
@@ -123,11 +124,13 @@ class LeanLlama:
             self.layers.append(
                 _Layer(
                     ln1=layer.input_layernorm.weight.detach().to(self.dtype),
-                    qkv=make_linear(qkv, plan, self.dtype),
-                    o=make_linear(att.o_proj.weight.detach(), plan, self.dtype),
+                    qkv=make_linear(qkv, plan, self.dtype, large_rows=True),
+                    o=make_linear(att.o_proj.weight.detach(), plan, self.dtype, large_rows=True),
                     ln2=layer.post_attention_layernorm.weight.detach().to(self.dtype),
-                    gate_up=make_linear(gate_up, plan, self.dtype),
-                    down=make_linear(mlp.down_proj.weight.detach(), plan, self.dtype),
+                    gate_up=make_linear(gate_up, plan, self.dtype, large_rows=True),
+                    down=make_linear(
+                        mlp.down_proj.weight.detach(), plan, self.dtype, large_rows=True
+                    ),
                 )
             )
         self.norm = inner.norm.weight.detach().to(self.dtype)

@@ -4,7 +4,9 @@ A `RowLinear` is called with its input `[rows, in]` and the row count (tokens in
 `make_linear` builds one from a dense weight `[out, in]` and a `LinearPlan`:
 
 * `pack`: weights reordered once for oneDNN (`runners.linears.Linear`, the encoders' prepacked
-  product); taken only where `measure_pack` found it faster than `F.linear` on this processor;
+  product); taken only where `measure_pack` found it faster than `F.linear` on this processor.
+  A layer's weight also keeps its plain copy for the many-row products of a whole prompt where
+  `measure_large_rows` found `F.linear` faster for its shape (`LargeRowsLinear`);
 * `int8`: per-output-channel symmetric int8 weights, `aten._weight_int8pack_mm`;
 * `int4`: group-wise (32 columns) asymmetric 4-bit weights, `aten._weight_int4pack_mm_for_cpu`.
   A model shipped as Q4_1 GGUF (SmolLM2) has exactly such groups along its input features, so
@@ -34,6 +36,7 @@ __all__ = [
     "LinearPlan",
     "RowLinear",
     "make_linear",
+    "measure_large_rows",
     "measure_pack",
     "measure_switch",
     "plan_for",
@@ -145,6 +148,31 @@ class SwitchLinear(RowLinear):
         return self.large(x, rows)
 
 
+class LargeRowsLinear(RowLinear):
+    """The prepacked product, and `F.linear` on the plain weight at the row counts where that
+    measured faster (`measure_large_rows`): a product of `rows` rows takes the choice made at
+    the largest probed row count not above it (prepacked below the smallest)."""
+
+    def __init__(self, weight: torch.Tensor, plain_at: tuple[int, ...]) -> None:
+        self.packed: RowLinear = PackedLinear(weight)
+        self.plain: RowLinear = DenseLinear(weight)
+        self.plain_at = frozenset(plain_at)
+        self._by_rows: dict[int, RowLinear] = {}  # a forward's row counts are rounded: few
+
+    def choice(self, rows: int) -> RowLinear:
+        """The product `rows` rows run through."""
+        lin = self._by_rows.get(rows)
+        if lin is None:
+            probed = [r for r in LARGE_ROWS if r <= rows]
+            lin = self.plain if probed and probed[-1] in self.plain_at else self.packed
+            self._by_rows[rows] = lin
+        return lin
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product."""
+        return self.choice(rows)(x, rows)
+
+
 def _quantized(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> RowLinear:
     if quantization == "int8":
         return Int8Linear(weight, dtype)
@@ -155,17 +183,29 @@ def _quantized(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> R
     raise ValueError(f"quantization {quantization!r}: expected none, int8 or int4")
 
 
-def _dense(weight: torch.Tensor, pack: bool) -> RowLinear:
-    return PackedLinear(weight) if pack else DenseLinear(weight)
+def _dense(weight: torch.Tensor, pack: bool, large_rows: bool = False) -> RowLinear:
+    if not pack:
+        return DenseLinear(weight)
+    if large_rows:
+        plain_at = large_rows_plain(tuple(weight.shape), weight.dtype)  # type: ignore[arg-type]
+        if plain_at:
+            return LargeRowsLinear(weight, plain_at)
+    return PackedLinear(weight)
 
 
 def make_linear(
-    weight: torch.Tensor, plan: LinearPlan, dtype: torch.dtype | None = None
+    weight: torch.Tensor,
+    plan: LinearPlan,
+    dtype: torch.dtype | None = None,
+    *,
+    large_rows: bool = False,
 ) -> RowLinear:
     """The `RowLinear` for a dense `weight` `[out, in]` under `plan`, computing in `dtype`
-    (default: the weight's); quantized weights come from `weight` as given."""
+    (default: the weight's); quantized weights come from `weight` as given. `large_rows`: the
+    weight also runs whole prompts (many rows), so a prepacked one keeps its plain copy where
+    `F.linear` measured faster at such row counts (`measure_large_rows`)."""
     dtype = dtype or weight.dtype
-    dense = _dense(weight.to(dtype), plan.pack)
+    dense = _dense(weight.to(dtype), plan.pack, large_rows)
     if plan.quantization == "none" or plan.switch_rows <= 0:
         return dense
     return SwitchLinear(_quantized(weight, plan.quantization, dtype), dense, plan.switch_rows)
@@ -225,6 +265,54 @@ def measure_pack(shape: tuple[int, int], dtype: torch.dtype) -> bool:
         d, p = _race(_sweep(dense, x, rows), _sweep(packed, x, rows))
         t_dense, t_packed = t_dense + d, t_packed + p
     return t_packed < t_dense
+
+
+# Row counts at which `measure_large_rows` races the two dense products: a whole prompt's
+# prefill (a forward's row count is `linears.rounded_tokens`, so one of few values).
+LARGE_ROWS = (256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def measure_large_rows(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, ...]:
+    """The row counts of `LARGE_ROWS` at which `F.linear` beat the oneDNN-prepacked product
+    by more than 3 % on this processor, for weights of `shape` in `dtype`. Why: oneDNN's
+    prepacked product is faster at few rows, but not at every large count. Measured on an
+    Intel Xeon family 6 model 167 (2 threads, bfloat16): 576x576 and 576x1536 weights (a
+    SmolLM2 layer's o and down) 1.3-1.5x faster with `F.linear` at 384 and 512 rows, 960x576
+    (q/k/v) 1.6x at 768 and 1024, 3072x576 (gate/up) never. SmolLM2's prefill, min / median
+    of 8 alternated: 384 tokens 89 / 92 ms against 98 / 98, 448 tokens 101 / 106 against
+    112 / 116, 512 tokens 121 / 126 against 126 / 137; the probe adds 1.5 s to its load and
+    the plain copies 106 MB. Products of many rows are bound by arithmetic, so four weights
+    are raced, not enough to stream from memory."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=gen) * 0.02
+    ws = [(w + 1e-4 * i).to(dtype) for i in range(4)]
+    packed: list[RowLinear] = [PackedLinear(x) for x in ws]
+    plain: list[RowLinear] = [DenseLinear(x) for x in ws]
+    wins = []
+    for rows in LARGE_ROWS:
+        x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+        t_plain, t_packed = _race(_sweep(plain, x, rows), _sweep(packed, x, rows), reps=5)
+        if t_plain < 0.97 * t_packed:
+            wins.append(rows)
+    return tuple(wins)
+
+
+_LARGE: dict[tuple[str, str, tuple[int, int]], tuple[int, ...]] = {}
+
+
+def large_rows_plain(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, ...]:
+    """`measure_large_rows` once per processor, dtype and shape in this process, logged."""
+    key = (processor_key(), str(dtype), shape)
+    found = _LARGE.get(key)
+    if found is None:
+        found = _LARGE[key] = measure_large_rows(shape, dtype)
+        where = f"at {', '.join(map(str, found))} rows" if found else "at no row count"
+        log.info(
+            "linears on %s in %s: F.linear beats prepacked for %dx%d weights %s "
+            "(measured; probed %s rows)",
+            key[0], dtype, shape[0], shape[1], where, ", ".join(map(str, LARGE_ROWS)),
+        )  # fmt: skip
+    return found
 
 
 def measure_switch(
