@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lenbatch.config import GenerationConfig
-from lenbatch.generate.policy import ContinuousPolicy, LockstepPolicy, make_policy
+from lenbatch.generate.policy import FEW_ROWS, ContinuousPolicy, LockstepPolicy, make_policy
 
 
 @dataclass
@@ -99,6 +99,16 @@ def test_continuous_mixes_chunks_into_decode_steps_where_the_runner_can() -> Non
     # lockstep never mixes: it admits only into an empty engine
     lock = LockstepPolicy(max_batch=8)
     assert lock.next_unit(core, "decode").kind == "prefill"  # type: ignore[arg-type,union-attr]
+
+
+def test_with_few_streams_running_a_chunk_may_take_twice_the_budget() -> None:
+    """Up to FEW_ROWS running rows a chunk gets twice `step_tokens` minus the rows (few
+    streams wait on it); beyond, the budget minus the rows."""
+    p = ContinuousPolicy(max_running=32, step_tokens=64)
+    for rows, cols in ((1, 2 * 64 - 1), (FEW_ROWS, 2 * 64 - FEW_ROWS), (FEW_ROWS + 1, 64 - 5)):
+        core = _Core(jobs=deque([_Job(1, 1000)]), running_rows=rows, mixer=object())
+        unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+        assert unit is not None and unit.kind == "mixed" and unit.cols == cols, rows
 
 
 def test_continuous_chunk_is_at_least_one_column() -> None:

@@ -125,7 +125,8 @@ class GenerationConfig(BaseModel):
     max_running: int = Field(32, ge=1)
     """continuous: most sequences decoding at once (bounds the KV cache)."""
     step_tokens: int = Field(256, ge=1)
-    """continuous: token budget of one step; a prefill chunk gets it minus the running rows."""
+    """continuous: token budget of one step; a prefill chunk gets it minus the running rows
+    (twice it while at most 4 rows decode: few streams wait on a bigger chunk)."""
     default_max_tokens: int = Field(16, ge=1)
     """`max_tokens` of a completion that does not say (OpenAI's default is 16)."""
     max_tokens_limit: int | None = Field(None, ge=1)
