@@ -12,6 +12,7 @@ import pytest
 
 from lenbatch.cli import main
 from lenbatch.config import BatchingConfig, Strategy
+from lenbatch.core.costfit import CostCoefficients
 from lenbatch.plan.calibration import ServingOverhead, calibrated, measure_overhead
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.plan.sim import simulate
@@ -44,11 +45,13 @@ def _run_record(
     server_p50_ms: float,
     slowdown: float = 1.0,
     cpu: tuple[float, float, int] | None = None,
+    scale: float = 1.0,
 ) -> dict[str, Any]:
     """A lenbatch run whose server executed, beyond warm-up, 10 batches of 2 rows padded to 20
-    tokens (bucket 1-32) and 5 of 1 row padded to 100 (bucket 33-128), each `batch_extra`
-    seconds slower than COST and then `slowdown` times slower; clients saw the server's median
-    plus `request_extra`. `cpu`: (server loop CPU s, driver CPU s, cores) over the 25 s run."""
+    tokens (bucket 1-32) and 5 of 1 row padded to 100 (bucket 33-128), each taking `scale`
+    times COST's time plus `batch_extra` seconds, and then `slowdown` times slower; clients
+    saw the server's median plus `request_extra`. `cpu`: (server loop CPU s, driver CPU s,
+    cores) over the 25 s run."""
     before = {
         "p50_ms": 1.0,
         "per_bucket": [_bucket("1-32", 1, 1, 20, 0.5), _bucket("33-128", 0, 0, 0, 0.0)],
@@ -61,9 +64,11 @@ def _run_record(
                 11,
                 21,
                 20 + 10 * 2 * 20,
-                0.5 + 10 * (COST.latency(2, 20) + batch_extra) * slowdown,
+                0.5 + 10 * (scale * COST.latency(2, 20) + batch_extra) * slowdown,
             ),
-            _bucket("33-128", 5, 5, 5 * 100, 5 * (COST.latency(1, 100) + batch_extra) * slowdown),
+            _bucket(
+                "33-128", 5, 5, 5 * 100, 5 * (scale * COST.latency(1, 100) + batch_extra) * slowdown
+            ),
         ],
     }
     n = 25
@@ -97,6 +102,38 @@ def test_overheads_measured_exactly_from_the_runs_own_counters() -> None:
     assert o.request_s == pytest.approx(0.012, abs=EXACT)
     assert (o.batches, o.requests) == (15, 25)
     assert o.source == "bucketed at rate x0.5"
+
+
+def test_a_server_slower_in_proportion_to_the_model_is_fitted_as_a_scale() -> None:
+    """Batches at 1.5x the model's time plus 2 ms: a constant alone would charge the long
+    bucket's batches too little and the short one's too much; the fit recovers both terms,
+    and the calibrated model's batch time and the adaptive prior carry them."""
+    o = measure_overhead(_run_record(0.002, 0.012, 40.0, scale=1.5), COST)
+    assert o.batch_scale == pytest.approx(1.5, abs=1e-6)
+    assert o.batch_s == pytest.approx(0.002, abs=1e-9)
+    cal = calibrated(COST, o)
+    assert cal.latency(4, 64) == COST.latency(4, 64)  # the model's compute is unchanged
+    assert cal.batch_seconds(4, 64) == pytest.approx(1.5 * COST.latency(4, 64) + 0.002)
+    assert "x1.50 the model's time +2.0 ms" in cal.calibration
+    prior = CostCoefficients.from_profile(cal.to_json())
+    assert prior.seconds(4, 64) == pytest.approx(
+        1.5 * (COST.latency(4, 64) - COST.per_row * 4) + 0.002  # the prior has no per-row term
+    )
+
+
+def test_the_batch_fit_takes_every_run_of_the_same_server() -> None:
+    """A light run of one shape per bucket and a loaded run: the fit is over both runs'
+    buckets, each run's own CPU slowdown taken out first."""
+    light = _run_record(0.003, 0.012, 40.0, scale=1.2, cpu=(0.5, 1.0, 2), slowdown=1 / 0.97)
+    loaded = _run_record(0.003, 0.012, 40.0, scale=1.2, cpu=(2.0, 4.0, 2), slowdown=1 / 0.88)
+    loaded["rate"] = 4.0
+    loaded["result"]["sent"] = list(np.linspace(0.0, 24.9, 100))
+    loaded["result"]["done"] = [t + 0.052 for t in loaded["result"]["sent"]]
+    loaded["result"]["status"] = [200] * 100
+    o = measure_overhead(light, COST, [light, loaded])
+    assert o.batch_runs == 2 and o.batches == 30
+    assert o.batch_scale == pytest.approx(1.2, abs=1e-6)
+    assert o.batch_s == pytest.approx(0.003, abs=1e-9)
 
 
 def test_cpu_per_request_measured_and_its_slowdown_taken_out_of_the_batch_constant() -> None:
@@ -171,6 +208,14 @@ def test_a_cost_model_written_before_calibration_existed_still_loads(tmp_path: P
     assert CostModel.load(tmp_path / "old.json") == COST
 
 
+def test_simulator_scales_the_models_time_by_the_calibrated_batch_scale() -> None:
+    t = Trace(np.asarray([10, 50]), np.asarray([0.0, 5.0]))
+    cfg = BatchingConfig(strategy=Strategy.FIFO, max_wait_ms=10)
+    cost = CostModel(const=0.05, per_token=0.001, batch_scale=2.0, batch_overhead_s=0.004)
+    run = simulate(t, cost, cfg)
+    assert run.execs == pytest.approx([2 * 0.06 + 0.004, 2 * 0.1 + 0.004], abs=EXACT)
+
+
 def test_simulator_adds_batch_overhead_to_service_and_request_overhead_to_latency() -> None:
     """Sparse arrivals, fifo with 10 ms max wait: latency = wait + model + batch overhead +
     request overhead, exactly; the runner is busy for model + batch overhead."""
@@ -226,7 +271,8 @@ def test_calibrate_command_measures_the_lightest_bucketed_run_and_writes_the_cos
     assert status == 0
     printed = capsys.readouterr().out
     assert "measured on `bucketed@x0.25`" in printed
-    assert "+6.0 ms per batch" in printed and "+10.0 ms per request" in printed
+    assert "batches x1.00 the model's time +6.0 ms" in printed
+    assert "+10.0 ms per request" in printed
     assert "60.0 ms CPU per request** outside the model on 2 cores" in printed
     rows = [line for line in printed.splitlines() if line.startswith("| bucketed")]
     assert [r.split(" |")[0] for r in rows] == ["| bucketed@x0.25 (measured here)", "| bucketed"]

@@ -26,9 +26,10 @@ def register(sub: Any) -> None:
         "calibrate",
         help="measure a live server's overhead over the cost model from a bench report",
         description="Read a `lenbatch bench` report's runs/*.json; from one lenbatch run (by "
-        "default `bucketed` at its lightest rate) measure the extra seconds per batch (server "
-        "execution time vs the cost model for the same batch shapes), per request (client "
-        "median latency minus the server's own) and the CPU seconds each request costs "
+        "default `bucketed` at its lightest rate) measure how much longer the server's batches "
+        "take than the cost model says for the same batch shapes (a scale and seconds per "
+        "batch, fitted over that server's runs at every rate), the extra seconds per request "
+        "(client median latency minus the server's own) and the CPU seconds each request costs "
         "outside the model (server event loop + load driver), which slow the model under "
         "load; simulate every lenbatch run with the given cost model and with these, and "
         "print predicted vs live. Run it from where the bench ran (the runs' --config paths "
@@ -107,7 +108,8 @@ def _given(cost: CostModel) -> str:
         return "the model's compute alone"
     source = cost.calibration.split(":")[0]
     return (
-        f"already calibrated: +{1000 * cost.batch_overhead_s:.1f} ms per batch, "
+        f"already calibrated: batches x{cost.batch_scale:.2f} "
+        f"+{1000 * cost.batch_overhead_s:.1f} ms, "
         f"+{1000 * cost.request_overhead_s:.1f} ms per request, "
         f"{1000 * cost.cpu_per_request_s:.1f} ms CPU per request, from {source}"
     )
@@ -148,9 +150,11 @@ def calibrate_report(
             "slows the model by cores / (cores - rate x CPU per request)"
         )
     lines = [
-        f"Serving overhead measured on `{source}`: **+{1000 * overhead.batch_s:.1f} ms per "
-        f"batch** (server execution time vs the cost model for the same batch shapes, "
-        f"{overhead.batches} batches), **+{1000 * overhead.request_s:.1f} ms per request** "
+        f"Serving overhead measured on `{source}`: **batches x{overhead.batch_scale:.2f} the "
+        f"model's time +{1000 * overhead.batch_s:.1f} ms** (the server's execution time per "
+        "bucket against the cost model's for the same batch shapes, fitted over "
+        f"{overhead.batches} batches of {overhead.batch_runs} `{runs[source]['name']}` "
+        f"run(s)), **+{1000 * overhead.request_s:.1f} ms per request** "
         f"(client median latency minus the server's own, {overhead.requests} requests), and "
         f"{cpu_text}. Each lenbatch run simulated with the given cost model ({_given(cost)}) "
         "and with these overheads instead:",

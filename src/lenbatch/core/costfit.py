@@ -42,9 +42,12 @@ class CostCoefficients:
     @classmethod
     def from_profile(cls, data: Mapping[str, Any]) -> CostCoefficients:
         """From a `lenbatch profile` / `calibrate` JSON dict (`const`, `per_token`,
-        `per_token_sq`, plus a calibrated `batch_overhead_s` when there is one)."""
-        a = float(data.get("const", 0.0)) + float(data.get("batch_overhead_s", 0.0))
-        return cls(a, float(data.get("per_token", 0.0)), float(data.get("per_token_sq", 0.0)))
+        `per_token_sq`, times a calibrated `batch_scale` and plus a calibrated
+        `batch_overhead_s` where there are)."""
+        scale = float(data.get("batch_scale", 1.0))
+        a = scale * float(data.get("const", 0.0)) + float(data.get("batch_overhead_s", 0.0))
+        b = scale * float(data.get("per_token", 0.0))
+        return cls(a, b, scale * float(data.get("per_token_sq", 0.0)))
 
 
 # MiniLM-sized encoder on a small CPU: ~20 ms per call and ~4k padded tokens/s. Only used when

@@ -3,10 +3,17 @@
 
 A cost model from `lenbatch profile` times the model alone, back to back. A live server adds:
 
-* per batch: collation, the hand-off to the worker thread, pooling and fanning results out.
-  Measured as the server's own execution time per batch (`/stats`, this run only: the counters
-  after the run minus those before) minus the cost model's time for the same batch shapes
-  (each bucket's mean batch size and mean padded length);
+* per batch: collation, the hand-off to the worker thread, pooling and fanning results out,
+  and a model that runs slower in the server than when profiled back to back (caches gone cold
+  between batches, two batches sharing the memory system, the interpreter lock). Measured as
+  the server's own execution time per batch (`/stats`: the counters after a run minus those
+  before) against the cost model's time for the same batch shapes (each bucket's mean batch
+  size and mean padded length): a scale and a constant, `live = scale x model + constant`,
+  fitted by non-negative least squares over every bucket of the run and of the same server's
+  runs at other rates. A constant alone fits one light run, where every batch is about one
+  row, but not a loaded one: on the Xeon (family 6 model 167) of the `adaptive-goodput`
+  bench, `bucketed`'s batches took 1.9-2.4x the model's time at every rate, one row or
+  twenty-five;
 * per request, outside the queue: HTTP parsing, tokenization, JSON encoding, the client's own
   work. Measured as the client's median latency minus the server's own median (from arrival at
   the engine to the answer).
@@ -42,9 +49,9 @@ __all__ = ["ServingOverhead", "calibrated", "measure_overhead"]
 class ServingOverhead:
     """A live server's extra time per batch and per request over the cost model's."""
 
-    batch_s: float
+    batch_s: float  # the constant of `live = batch_scale x model + batch_s` per batch
     request_s: float
-    batches: int  # batches the per-batch figure is averaged over
+    batches: int  # batches the per-batch fit is over (every run it used)
     requests: int  # answered requests the per-request figure comes from
     source: str  # which run, for the cost model's `calibration` note
     loop_cpu_s: float | None = None  # server event-loop CPU seconds per request
@@ -52,6 +59,8 @@ class ServingOverhead:
     cores: int | None = None  # the machine's cores
     cpu_baseline_cores: float | None = None  # idle CPU (cores) the fit set apart
     cpu_runs: int = 0  # runs the CPU figures come from
+    batch_scale: float = 1.0  # the scale of `live = batch_scale x model + batch_s` per batch
+    batch_runs: int = 1  # runs the per-batch fit comes from
 
     @property
     def cpu_per_request_s(self) -> float | None:
@@ -65,48 +74,48 @@ def measure_overhead(
     run: Mapping[str, Any], cost: CostModel, cpu_runs: Sequence[Mapping[str, Any]] = ()
 ) -> ServingOverhead:
     """The serving overhead seen in one bench run of a lenbatch server (a `runs/*.json` record).
-    The CPU per request is fitted over `run` and `cpu_runs` (the same server at other rates)
-    when they span two or more rates.
+    The CPU per request (when they span two or more rates) and the per-batch scale and
+    constant are fitted over `run` and `cpu_runs` (the same server at other rates); the
+    per-request time outside the queue comes from `run` alone.
 
     Raises ValueError if the record lacks the server's `/stats` or ran no batch.
     """
     result = run["result"]
-    before, after = result.get("stats_before"), result.get("stats_after")
-    if not before or not after:
+    if not result.get("stats_before") or not result.get("stats_after"):
         raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
-    live_exec = model_exec = 0.0
-    batches = 0.0
-    for work in bucket_work(bucket_totals(before), bucket_totals(after)).values():
-        # latency() is linear in B for a given L, so the mean batch size gives the mean time
-        # exactly; the mean padded length only up to the L^2 term's spread within one bucket.
-        model_exec += work.batches * cost.latency(work.mean_batch, work.mean_padded_len)
-        live_exec += work.exec_s
-        batches += work.batches
-    if batches == 0:
-        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
     sent = np.asarray(result["sent"], dtype=np.float64)
     done = np.asarray(result["done"], dtype=np.float64)
     ok = np.asarray(result["status"]) == 200
     if not ok.any():
         raise ValueError(f"run {run.get('name')!r} has no answered request")
     client_p50 = float(np.median(done[ok] - sent[ok]))
-    server_p50 = after.get("p50_ms")
+    server_p50 = result["stats_after"].get("p50_ms")
     if server_p50 is None:
         raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
     rate = run.get("rate", 1.0)
-    n = len(sent)
     cores = run.get("summary", {}).get("cpu_count")
-    cpu = _cpu_fit([run, *(r for r in cpu_runs if r is not run)])
-    slowdown = 1.0
-    duration = float(result.get("wall_s") or 0.0)
-    if cpu is not None and cores and duration > 0:
-        # Batches in this very run were slowed by its own rate; take that out of the constant.
+    others = [r for r in cpu_runs if r is not run]
+    cpu = _cpu_fit([run, *others])
+    probe = None
+    if cpu is not None and cores:
         probe = CostModel(const=0.0, cpu_per_request_s=cpu[0] + cpu[1], cpu_cores=int(cores))
-        slowdown = probe.slowdown(n / duration)
+    rows = _batch_rows(run, cost, probe)
+    if not rows:
+        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
+    runs_used = 1
+    for other in others:
+        try:
+            more = _batch_rows(other, cost, probe)
+        except (KeyError, TypeError, ValueError):
+            continue  # a run without /stats (a peer's) says nothing about this server
+        if more:
+            rows += more
+            runs_used += 1
+    scale, constant = _batch_fit(rows)
     return ServingOverhead(
-        batch_s=(live_exec / slowdown - model_exec) / batches,
+        batch_s=constant,
         request_s=client_p50 - float(server_p50) / 1000.0,
-        batches=int(batches),
+        batches=int(sum(n for _, n, _ in rows)),
         requests=int(ok.sum()),
         source=f"{run.get('name')} at rate x{rate:g}",
         loop_cpu_s=None if cpu is None else cpu[0],
@@ -114,7 +123,47 @@ def measure_overhead(
         cores=int(cores) if cores else None,
         cpu_baseline_cores=None if cpu is None else cpu[2],
         cpu_runs=0 if cpu is None else cpu[3],
+        batch_scale=scale,
+        batch_runs=runs_used,
     )
+
+
+def _batch_rows(
+    run: Mapping[str, Any], cost: CostModel, probe: CostModel | None
+) -> list[tuple[float, float, float]]:
+    """(the cost model's seconds, batches, the server's seconds) for each bucket that ran a
+    batch between the run's two `/stats` readings, the server's seconds taken back to what
+    they would have been without the run's own request rate (`probe.slowdown`)."""
+    result = run["result"]
+    before, after = result.get("stats_before"), result.get("stats_after")
+    if not before or not after:
+        raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
+    slowdown = 1.0
+    duration = float(result.get("wall_s") or 0.0)
+    if probe is not None and duration > 0:
+        slowdown = probe.slowdown(len(result["sent"]) / duration)
+    rows = []
+    for work in bucket_work(bucket_totals(before), bucket_totals(after)).values():
+        # latency() is linear in B for a given L, so the mean batch size gives the mean time
+        # exactly; the mean padded length only up to the L^2 term's spread within one bucket.
+        model = work.batches * cost.latency(work.mean_batch, work.mean_padded_len)
+        rows.append((model, work.batches, work.exec_s / slowdown))
+    return rows
+
+
+def _batch_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(scale, seconds per batch) of `live = scale x model + constant x batches` over `rows`
+    (see `_batch_rows`), both non-negative. With a single bucket the two cannot be told apart:
+    the scale stays 1 and the constant takes the difference, as a constant alone always did."""
+    from lenbatch.plan.profile import nnls
+
+    model = np.array([r[0] for r in rows])
+    batches = np.array([r[1] for r in rows])
+    live = np.array([r[2] for r in rows])
+    if len(rows) < 2:
+        return 1.0, max(0.0, float((live.sum() - model.sum()) / batches.sum()))
+    scale, constant = nnls(np.column_stack([model, batches]), live)
+    return float(scale), float(constant)
 
 
 def _cpu_fit(runs: Sequence[Mapping[str, Any]]) -> tuple[float, float, float, int] | None:
@@ -157,10 +206,11 @@ def calibrated(
     cpu = overhead.cpu_per_request_s
     if cpu is not None and not with_driver:
         cpu = overhead.loop_cpu_s
+    runs = f" of {overhead.batch_runs} runs" if overhead.batch_runs > 1 else ""
     note = (
-        f"{overhead.source}: +{1000 * overhead.batch_s:.1f} ms per batch over "
-        f"{overhead.batches} batches, +{1000 * overhead.request_s:.1f} ms per request "
-        f"(median over {overhead.requests})"
+        f"{overhead.source}: batches x{overhead.batch_scale:.2f} the model's time "
+        f"+{1000 * overhead.batch_s:.1f} ms (over {overhead.batches} batches{runs}), "
+        f"+{1000 * overhead.request_s:.1f} ms per request (median over {overhead.requests})"
     )
     if cpu is None:
         note += "; CPU per request not measured"
@@ -169,6 +219,7 @@ def calibrated(
         note += f", {1000 * cpu:.1f} ms CPU per request ({who}) on {overhead.cores} cores"
     return dataclasses.replace(
         cost,
+        batch_scale=max(0.0, overhead.batch_scale),
         batch_overhead_s=max(0.0, overhead.batch_s),
         request_overhead_s=max(0.0, overhead.request_s),
         cpu_per_request_s=max(0.0, cpu or 0.0),

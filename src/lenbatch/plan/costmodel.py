@@ -7,8 +7,10 @@ B is the batch size and L the padded length: on this hardware cost follows *padd
 which is why padding is the thing to remove. Stored as JSON.
 
 A profile times the model alone. A live server adds work around it, which `lenbatch calibrate`
-measures from a bench run and stores in more fields (all 0 in a plain profile):
-`batch_overhead_s` (per batch: collation, the worker-thread hand-off, pooling, fan-out),
+measures from a bench run and stores in more fields (all neutral in a plain profile):
+`batch_scale` and `batch_overhead_s` (a live server's batch takes `batch_scale` times the
+model's compute plus `batch_overhead_s`: collation, the worker-thread hand-off, pooling,
+fan-out, and a model slower in a server than profiled back to back; scale 1 in a profile),
 `request_overhead_s` (per request, outside the queue: HTTP, tokenization, JSON), and
 `cpu_per_request_s` on `cpu_cores` cores: CPU time each request costs outside the model on the
 same machine (the server's event loop, and a load driver if it shares the machine), which
@@ -56,6 +58,7 @@ class CostModel:
     memory_fit_error: float = math.nan  # RMS error of the memory fit / mean measured activation
     memory_method: str = ""  # how activation memory was measured (CUDA allocator, CPU RSS)
     batch_overhead_s: float = 0.0  # a live server's extra seconds per batch (calibrated)
+    batch_scale: float = 1.0  # a live server's batch time over the model's (calibrated)
     request_overhead_s: float = 0.0  # a live server's extra seconds per request (calibrated)
     cpu_per_request_s: float = 0.0  # CPU seconds per request outside the model (calibrated)
     cpu_cores: int = 1  # cores that work and the model share
@@ -79,14 +82,14 @@ class CostModel:
         )
 
     def batch_seconds(self, batch: int, padded_len: int) -> float:
-        """Seconds a live server's runner is busy with one batch: the model's compute plus
-        the calibrated per-batch overhead."""
+        """Seconds a live server's runner is busy with one batch: the model's compute times
+        the calibrated scale, plus the calibrated per-batch overhead."""
         return self.seconds(batch, padded_len)
 
     def seconds(self, batch: float, padded_len: float) -> float:
         """`batch_seconds` for fractional shapes (the mean over batches of those mean sizes):
         the `core.costkey.BatchCost` protocol."""
-        return self.latency(batch, padded_len) + self.batch_overhead_s
+        return self.batch_scale * self.latency(batch, padded_len) + self.batch_overhead_s
 
     def cost_key(self, model: str | None = None) -> CostKey:
         """What this cost model describes, as a `CostKey`; `model`: the served name (default:

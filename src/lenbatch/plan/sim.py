@@ -28,8 +28,9 @@ What it mirrors from `lenbatch.embed.engine.Engine`, rule by rule, so prediction
 What it does not model: cancellations by clients, model failures (bisection), contention
 between concurrent batches on one device (each runner slot is an independent server running at
 the cost model's speed), and the HTTP layer, tokenization and collation except as a
-calibrated cost model carries them (`lenbatch calibrate`): a constant per batch, a constant per
-request, and a slowdown of the model by the CPU share that the last second's requests take.
+calibrated cost model carries them (`lenbatch calibrate`): a scale and a constant per batch,
+a constant per request, and a slowdown of the model by the CPU share that the last second's
+requests take.
 
 This module is the event loop; what a run produced (`SimRun`, per-lane totals, the summary) is
 built in `lenbatch.plan.simrun` from the loop's record.
