@@ -173,33 +173,56 @@ def test_shedding_follows_what_the_last_batches_measured() -> None:
 
 def test_request_side_cpu_counts_in_shedding_and_not_in_the_learned_batch_cost() -> None:
     """The server's CPU per request outside the model (HTTP, tokenization), measured live,
-    slows the batches by the share of the cores it takes at the arrival rate: a queue the
-    model alone finishes in time is refused once that CPU is counted, and a batch measured
-    while it ran teaches the cost model its own, unslowed, time."""
+    slows the batches by the share of the cores it takes at the arrival rate: under a load
+    that lasts, a queue the model alone finishes in time is refused once that CPU is counted,
+    and a batch measured while it ran teaches the cost model its own, unslowed, time."""
     cfg = _cfg()
     q0, q1 = Queues(cfg), Queues(cfg)
     plain, busy = _state(cfg), _state(cfg)
     busy.request_cpu = RequestCpu(cores=2)
-    for i in range(40):  # 40 requests in 0.2 s: 200 requests/s
-        _arrive(q0, plain, 60, i / 200)
-        _arrive(q1, busy, 60, i / 200)
-    now, due = 0.2, 1.2
+    for i in range(2000):  # 200 requests/s for the 10 s before (answered since)
+        plain.on_arrival(1, 60, i / 200)
+        busy.on_arrival(1, 60, i / 200)
+    for i in range(40):  # then 40 requests queued in 0.2 s
+        _arrive(q0, plain, 60, 10 + i / 200)
+        _arrive(q1, busy, 60, 10 + i / 200)
+    now, due = 10.2, 11.2
     queued, _ = plain.queued_work(q0, cfg, due, 0, [60])
     assert 0.6 < queued < 0.8  # the model alone: done by 0.8-1.0, within the 1 s SLO
     assert plain.admit([60], due, q0, cfg, now) is None
-    # 20 ms each (a slow tokenizer): the estimated rate, a decaying average, is still rising
-    busy.request_cpu.per_request_s = 0.02
-    slow = busy.cpu_slowdown(now)
-    assert slow == pytest.approx(1 / (1 - busy_rate(busy, now) * 0.02 / 2))
+    # 4 ms each (a slow tokenizer) at the steady rate of the last seconds (~175 requests/s)
+    busy.request_cpu.per_request_s = 0.004
+    slow = busy.cpu_slowdown(now, steady=True)
+    assert 150 < busy.estimates.steady_rate(now) < 200
+    assert slow == pytest.approx(1 / (1 - busy.estimates.steady_rate(now) * 0.004 / 2))
     assert slow > 1.0 + (due - now - queued) / queued  # enough to miss
     refusal = busy.admit([60], due, q1, cfg, now)
     assert refusal is not None and busy.decisions.decisions()[0].drift == pytest.approx(1.0)
     # a batch that took `slow` times its own cost: the model learns its own cost
     before = busy.cost.observed
     own = TRUE.seconds(8, 60)
-    busy.observe_batch(1, 8, 60, own * slow, now=now)
+    busy.observe_batch(1, 8, 60, own * busy.cpu_slowdown(now), now=now)
     assert busy.cost.observed == before + 1
     assert busy.drift == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_burst_prices_the_queue_at_the_steady_rate_not_its_own() -> None:
+    """The same 40 requests in 0.2 s after a quiet spell: the one-second rate follows the
+    burst (its slowdown would refuse the call), but the queue drains after the burst has been
+    parsed, so admission prices it at the five-second rate and admits the call."""
+    cfg = _cfg()
+    q = Queues(cfg)
+    st = _state(cfg)
+    st.request_cpu = RequestCpu(cores=2)
+    for i in range(40):
+        _arrive(q, st, 60, i / 200)
+    now, due = 0.2, 1.2
+    st.request_cpu.per_request_s = 0.02
+    queued, _ = st.queued_work(q, cfg, due, 0, [60])
+    assert st.cpu_slowdown(now) > 1.0 + (due - now - queued) / queued  # the burst's: a miss
+    assert st.estimates.steady_rate(now) < 0.25 * busy_rate(st, now)
+    assert st.admit([60], due, q, cfg, now) is None
+    assert len(st.decisions) == 0
 
 
 def busy_rate(st: AdaptiveState, now: float) -> float:

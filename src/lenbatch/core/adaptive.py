@@ -150,12 +150,16 @@ class AdaptiveState(Shedding):
         """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
         return self.estimates.rate(lane, now)
 
-    def cpu_slowdown(self, now: float) -> float:
+    def cpu_slowdown(self, now: float, steady: bool = False) -> float:
         """How much slower batches run now because of the request-side CPU at the current
-        arrival rate (`core.occupancy.cpu_slowdown`; 1.0 before it was measured)."""
+        arrival rate (`core.occupancy.cpu_slowdown`; 1.0 before it was measured); with
+        `steady`, at the arrival rate of the last few seconds (`LaneEstimates.steady_rate`)."""
         if self.request_cpu.per_request_s <= 0:
             return 1.0
-        rate = sum(self.estimates.rate(i, now) for i in range(len(self.wait)))
+        if steady:
+            rate = self.estimates.steady_rate(now)
+        else:
+            rate = sum(self.estimates.rate(i, now) for i in range(len(self.wait)))
         return self.request_cpu.slowdown(rate)
 
     def observe_batch(
@@ -491,10 +495,13 @@ class AdaptiveState(Shedding):
             "load": self.load(now),
             # predicted seconds until the emitted work is done (fluid, per runner slot)
             "backlog_ms": max(0.0, self.backlog_end - now) * 1000,
-            # the HTTP and tokenization CPU per request, and how much it slows batches now
+            # the HTTP and tokenization CPU per request, and how much it slows batches now and
+            # at the steady rate (what admission prices the queue at)
             "request_cpu": {
                 **self.request_cpu.describe(),
                 "slowdown": round(self.cpu_slowdown(now), 4),
+                "steady_rate": round(self.estimates.steady_rate(now), 3),
+                "steady_slowdown": round(self.cpu_slowdown(now, steady=True), 4),
             },
             "lanes": [
                 {

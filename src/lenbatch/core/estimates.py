@@ -14,7 +14,11 @@ import math
 from lenbatch.core.costfit import OnlineCostModel
 from lenbatch.core.lanes import SchedulerConfig
 
-__all__ = ["LaneEstimates"]
+__all__ = ["STEADY_WINDOW_S", "LaneEstimates"]
+
+# Time constant of the steady arrival rate (`LaneEstimates.steady_rate`): long enough that a
+# burst of a quarter second barely moves it, short enough to follow a load that lasts.
+STEADY_WINDOW_S = 5.0
 
 
 class LaneEstimates:
@@ -23,6 +27,8 @@ class LaneEstimates:
     def __init__(self, cost: OnlineCostModel, rate_window: float, cfg: SchedulerConfig) -> None:
         self.cost = cost
         self.rate_window = rate_window  # time constant of the arrival-rate average (s)
+        self._steady = 0.0  # all lanes' arrival rate over STEADY_WINDOW_S, as of `_steady_at`
+        self._steady_at = 0.0
         self.reset(cfg)
 
     def reset(self, cfg: SchedulerConfig) -> None:
@@ -46,11 +52,18 @@ class LaneEstimates:
         )
         self.last_arrival[lane] = now
         self.mean_len[lane] += 0.05 * (length - self.mean_len[lane])
+        self._steady = self.steady_rate(now) + 1 / STEADY_WINDOW_S
+        self._steady_at = now
 
     def rate(self, lane: int, now: float) -> float:
         """Estimated arrival rate of `lane` at `now` (requests/s, decaying average)."""
         dt = max(0.0, now - self.last_arrival[lane])
         return self.last_rate[lane] * math.exp(-dt / self.rate_window)
+
+    def steady_rate(self, now: float) -> float:
+        """All lanes' arrival rate at `now` as a decaying average over `STEADY_WINDOW_S`: the
+        rate a queue drains under, where `rate` follows a burst within a second."""
+        return self._steady * math.exp(-max(0.0, now - self._steady_at) / STEADY_WINDOW_S)
 
     def observe_batch(self, lane: int, size: int, padded_len: int, seconds: float) -> None:
         """A batch of `lane` ran `size` rows padded to `padded_len` in `seconds`."""
