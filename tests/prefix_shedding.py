@@ -25,7 +25,7 @@ class PrefixState(AdaptiveState):
     def drift(self) -> float:
         return 1.0
 
-    def cpu_slowdown(self, now: float) -> float:
+    def cpu_slowdown(self, now: float, steady: bool = False) -> float:
         return 1.0
 
     def observe_batch(
