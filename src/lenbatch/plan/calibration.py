@@ -81,8 +81,15 @@ def measure_overhead(
     Raises ValueError if the record lacks the server's `/stats` or ran no batch.
     """
     result = run["result"]
-    if not result.get("stats_before") or not result.get("stats_after"):
-        raise ValueError(f"run {run.get('name')!r} has no /stats before and after (a peer?)")
+    cores = run.get("summary", {}).get("cpu_count")
+    others = [r for r in cpu_runs if r is not run]
+    cpu = _cpu_fit([run, *others])
+    probe = None
+    if cpu is not None and cores:
+        probe = CostModel(const=0.0, cpu_per_request_s=cpu[0] + cpu[1], cpu_cores=int(cores))
+    rows = _batch_rows(run, cost, probe)  # raises when the run has no /stats (a peer's)
+    if not rows:
+        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
     sent = np.asarray(result["sent"], dtype=np.float64)
     done = np.asarray(result["done"], dtype=np.float64)
     ok = np.asarray(result["status"]) == 200
@@ -93,15 +100,6 @@ def measure_overhead(
     if server_p50 is None:
         raise ValueError(f"run {run.get('name')!r}: the server reported no latency")
     rate = run.get("rate", 1.0)
-    cores = run.get("summary", {}).get("cpu_count")
-    others = [r for r in cpu_runs if r is not run]
-    cpu = _cpu_fit([run, *others])
-    probe = None
-    if cpu is not None and cores:
-        probe = CostModel(const=0.0, cpu_per_request_s=cpu[0] + cpu[1], cpu_cores=int(cores))
-    rows = _batch_rows(run, cost, probe)
-    if not rows:
-        raise ValueError(f"run {run.get('name')!r} ran no batch between its /stats readings")
     runs_used = 1
     for other in others:
         try:
