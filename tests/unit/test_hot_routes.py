@@ -16,10 +16,13 @@ from lenbatch.core.errors import BadInput
 from lenbatch.serving.http import add_hot_route, hot_headers, new_app
 
 
-def _app(max_body: int = 4096, api_key: str | None = None) -> Any:
-    settings = Settings.model_validate({"server": {"max_body_bytes": max_body, "api_key": api_key}})
+def _app(max_body: int = 4096, api_key: str | None = None, cors: tuple[str, ...] = ()) -> Any:
+    settings = Settings.model_validate(
+        {"server": {"max_body_bytes": max_body, "api_key": api_key, "cors_origins": cors}}
+    )
     app = new_app(settings, None)
     seen: list[bytes] = []
+    offered: list[bytes] = []
 
     @app.post("/echo")
     async def echo(request: Request) -> JSONResponse:
@@ -28,6 +31,7 @@ def _app(max_body: int = 4096, api_key: str | None = None) -> Any:
         return JSONResponse({"by": "fastapi", "size": len(body)})
 
     async def hot(scope: Any, body: bytes, receive: Any) -> Response | None:
+        offered.append(body)
         if body.startswith(b"hot"):
             return Response(b"hot:" + body, media_type="text/plain")
         if body.startswith(b"bad"):
@@ -36,6 +40,7 @@ def _app(max_body: int = 4096, api_key: str | None = None) -> Any:
 
     add_hot_route(app, "POST", "/echo", hot)
     app.state.seen = seen
+    app.state.offered = offered
     return app
 
 
@@ -61,6 +66,30 @@ def test_passed_on_with_the_body_intact() -> None:
     r = _post(app, body)
     assert r.json() == {"by": "fastapi", "size": len(body)}
     assert app.state.seen == [body]
+
+
+def test_a_hot_answer_skips_fastapis_stack_and_a_passed_on_call_is_offered_once() -> None:
+    app = _app()
+    stacked: list[str] = []
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Any:
+        stacked.append(request.url.path)
+        return await call_next(request)
+
+    assert _post(app, b"hot").text == "hot:hot"
+    assert stacked == []  # answered in front of FastAPI's middleware
+    assert _post(app, b"plain").json()["by"] == "fastapi"
+    assert stacked == ["/echo"]
+    assert app.state.offered == [b"hot", b"plain"]  # the inner hot-route layer let it pass
+
+
+def test_with_cors_on_a_hot_answer_carries_the_cors_headers() -> None:
+    app = _app(cors=("http://a.example",))
+    r = _post(app, b"hot", origin="http://a.example")
+    assert r.text == "hot:hot"
+    assert r.headers["access-control-allow-origin"] == "http://a.example"
+    assert app.state.offered == [b"hot"]
 
 
 def test_an_error_of_the_hot_route_is_answered_in_the_error_shape() -> None:

@@ -142,6 +142,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=None,
+        help="log one line per HTTP request (client, method, path, status; never a body); "
+        "off by default: it costs the event loop CPU on every request",
+    )
+    p.add_argument(
         "--allocator",
         choices=["auto", "tcmalloc", "system"],
         help="the process's malloc (default auto: tcmalloc where installed, the server "
@@ -233,6 +240,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "api_key": args.api_key,
             "length_log": args.length_log,
             "log_level": args.log_level,
+            "access_log": args.access_log,
             "allocator": args.allocator,
             "drain_timeout_s": args.drain_timeout,
             "served_model_name": served[0] if len(served) == 1 and several is None else None,

@@ -17,6 +17,13 @@ Two ways to cut a text over the limit, when the caller asks for truncation:
 A (query, document) pair is tokenized as a pair (`tokenize_pairs`): the model's special tokens
 around and between its texts, and segment ids (`token_type_ids`) where the model uses them.
 Truncation cuts the document, never the query.
+
+Single texts of a fast tokenizer go straight to its Rust `tokenizers.Tokenizer`, through two
+copies of it made once (one that never cuts, one that cuts at `max_length` as transformers
+would): transformers' `__call__` re-applies its truncation and padding settings to the shared
+backend on every call and wraps the result, about a third of a one-line input's tokenizing
+time (40 vs 28 us for MiniLM, Intel Xeon family 6 model 167), and a settings change from one
+thread races an encode on another. Slow tokenizers and pairs keep transformers' call.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class TextTokenizer:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.keep = keep
+        self._whole, self._cutting = _backends(tokenizer, max_length)
 
     @classmethod
     def load(
@@ -166,6 +174,9 @@ class TextTokenizer:
         return text
 
     def _encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        backend = self._cutting if truncate else self._whole
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
         enc = self.tokenizer(
             texts,
             add_special_tokens=True,
@@ -200,3 +211,21 @@ class TextTokenizer:
             return text
         space = text.rfind(" ", 0, room)
         return text[:space] if space > 0 else text
+
+
+def _backends(tokenizer: Any, max_length: int) -> tuple[Any, Any]:
+    """Two copies of a fast tokenizer's Rust backend, (never cuts, cuts at `max_length` on the
+    tokenizer's truncation side), or (None, None) for a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not getattr(tokenizer, "is_fast", False) or backend is None:
+        return None, None
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_str(backend.to_str())
+    whole.no_truncation()
+    whole.no_padding()
+    cutting = Tokenizer.from_str(backend.to_str())
+    cutting.no_padding()
+    side = "left" if getattr(tokenizer, "truncation_side", "right") == "left" else "right"
+    cutting.enable_truncation(max_length, stride=0, strategy="longest_first", direction=side)
+    return whole, cutting

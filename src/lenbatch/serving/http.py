@@ -15,7 +15,10 @@ dependency solving and exception middleware (about a third of the event loop's C
 for a one-input embeddings call): it gets the whole body and answers a request it can validate
 itself, or returns None and the request goes on to the FastAPI route, unchanged, which then
 answers it as it always did (every validation error included). The FastAPI route stays the
-reference: the OpenAPI schema, and every request the hot route passes on.
+reference: the OpenAPI schema, and every request the hot route passes on. Where CORS is off,
+a hot path's request does not enter FastAPI's middleware stack at all (its error, telemetry
+and body-limit layers, each an await and a wrapped `send`): the app runs its own guard and the
+hot route in front of it, and hands FastAPI only what the hot route passes on.
 
 `DrainingServer` is uvicorn's server with lenbatch's drain put in front of uvicorn's own
 shutdown: on SIGTERM or Ctrl-C the engine first refuses new requests (503 with the reason) while
@@ -41,7 +44,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -135,6 +137,9 @@ def add_hot_route(app: FastAPI, method: str, path: str, route: HotRoute) -> None
     app.state.hot_routes[(method, path)] = route
 
 
+_TRIED = "lenbatch.hot_route_tried"  # scope key: the front already offered it to the hot route
+
+
 class _HotRoutes:
     """Plain ASGI middleware inside the guard that runs a path's hot route, if it has one."""
 
@@ -144,7 +149,7 @@ class _HotRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = None
-        if scope["type"] == "http":
+        if scope["type"] == "http" and _TRIED not in scope:
             route = self.routes.get((scope["method"], scope["path"]))
         if route is None:
             await self.app(scope, receive, send)
@@ -257,9 +262,8 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
         if self.key is not None and scope["path"] != "/health":
-            given = headers.get("authorization", "").encode("latin-1")
+            given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self.key):
                 response = _error(
                     401,
@@ -270,7 +274,8 @@ class _Guard:
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
-        length = headers.get("content-length")
+        raw_length = _header(scope, b"content-length")
+        length = None if raw_length is None else raw_length.decode("latin-1")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             response = _error(
                 413,
@@ -292,6 +297,15 @@ class _Guard:
             return message
 
         await self.app(scope, limited, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case, as ASGI servers give names), or None:
+    a scan of the raw list, without building Starlette's `Headers` for every request."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _describe_validation(exc: RequestValidationError) -> str:
@@ -389,12 +403,44 @@ def freeze_heap() -> int:
     return frozen
 
 
+class _App(FastAPI):
+    """FastAPI with its hot routes in front of its middleware stack where `front` is set (see
+    the module docstring): a request for a hot path goes to `front` (the guard and the hot
+    route), anything else to FastAPI as usual."""
+
+    front: ASGIApp | None = None
+    hot_paths: Collection[tuple[str, str]] = ()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if (
+            front is not None
+            and scope["type"] == "http"
+            and (scope["method"], scope["path"]) in self.hot_paths
+        ):
+            await front(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def new_app(settings: Settings, lifespan: Any) -> FastAPI:
     """A FastAPI app with what every lenbatch server shares: CORS, the API-key and body-size
     guard, and error handlers that answer in OpenAI's shape without echoing request content."""
-    app = FastAPI(title="lenbatch", version="0.1.0", lifespan=lifespan)
-    app.state.hot_routes = {}
-    app.add_middleware(_HotRoutes, routes=app.state.hot_routes)  # innermost: inside the guard
+    app = _App(title="lenbatch", version="0.1.0", lifespan=lifespan)
+    routes: dict[tuple[str, str], HotRoute] = {}
+    app.state.hot_routes = app.hot_paths = routes
+    app.add_middleware(_HotRoutes, routes=routes)  # innermost: inside the guard
+    if not settings.server.cors_origins:
+
+        async def through_fastapi(scope: Scope, receive: Receive, send: Send) -> None:
+            scope[_TRIED] = True  # the hot route passed it on: FastAPI's route answers
+            await FastAPI.__call__(app, scope, receive, send)
+
+        app.front = _Guard(
+            _HotRoutes(through_fastapi, routes),
+            settings.server.api_key,
+            settings.server.max_body_bytes,
+        )
 
     if settings.server.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -478,6 +524,7 @@ def serve_app(app: ASGIApp, engine: Service, settings: Settings) -> None:
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
+        access_log=settings.server.access_log,
         timeout_graceful_shutdown=_FLUSH_S,
     )
     DrainingServer(config, engine, settings.server.drain_timeout_s).run()
