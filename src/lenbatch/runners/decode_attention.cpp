@@ -430,11 +430,178 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// A packed encoder batch's self-attention (bidirectional), straight from the fused Q/K/V
+// product: each sequence's tokens attend to that sequence's tokens only, so nothing is padded,
+// scattered into a grid, masked or gathered back. Torch's CPU attention took 12-14 ms per
+// MiniLM layer for 32 rows x <= 112 tokens in bfloat16 on one thread (Intel Xeon family 6
+// model 167), plus 3-4 ms to lay the packed rows out as a padded grid and back.
+//
+// qkv     [tokens, 3 * heads * head_dim]  (contiguous: Q | K | V per token, heads inside each)
+// offsets [sequences + 1] int64           (sequence s is tokens offsets[s] .. offsets[s+1]-1)
+// out     [tokens, heads * head_dim]      (qkv's dtype)
+//
+// Per (sequence, head): K is laid out transposed as float32 [head_dim, n rounded to 16] and V
+// as float32 [n, head_dim]; then for each query 16 scores at a time (the query's elements
+// broadcast against 16 keys), softmax in float32, and the weighted sum of V rows.
+
+namespace {
+
+#if defined(__AVX512F__)
+// NV = head_dim / 16 vectors per row, a compile-time constant so that every accumulator below
+// lives in a register (with a run-time count they lived on the stack, and each multiply-add
+// waited on the one before: a third of the speed). QB queries go together: each key or value
+// vector loaded once feeds QB independent multiply-add chains.
+template <typename T, int NV>
+void packed_head(const T* base, int64_t stride, int64_t hidden, int64_t h, int64_t n, float scale,
+                 std::vector<float>& kt, std::vector<float>& vf, std::vector<float>& sc,
+                 std::vector<float>& qf, T* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int64_t QB = NV <= 2 ? 8 : 16 / NV;
+  const int64_t n16 = (n + 15) / 16 * 16;
+  kt.assign(D * n16, 0.f);
+  vf.resize(n * D);
+  sc.resize(QB * n16);
+  qf.resize(QB * D);
+  alignas(64) float lane[16];
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = base + j * stride + hidden + h * D;
+    const T* v = base + j * stride + 2 * hidden + h * D;
+    for (int64_t c = 0; c < NV; ++c) {
+      _mm512_store_ps(lane, load16(k + 16 * c));
+      for (int i = 0; i < 16; ++i) kt[(16 * c + i) * n16 + j] = lane[i];
+      _mm512_storeu_ps(vf.data() + j * D + 16 * c, load16(v + 16 * c));
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t tail = n - (n16 - 16);  // real keys in the last block of 16 (1..16)
+  const __mmask16 keep = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
+  float* qp = qf.data();
+  const float* ktp = kt.data();
+  const float* vp = vf.data();
+  for (int64_t i0 = 0; i0 < n; i0 += QB) {
+    const int64_t m = std::min(QB, n - i0);
+    for (int64_t r = 0; r < QB; ++r) {  // a short last block repeats its last query
+      const T* q = base + (i0 + std::min(r, m - 1)) * stride + h * D;
+      for (int64_t c = 0; c < NV; ++c)
+        _mm512_storeu_ps(qp + r * D + 16 * c, _mm512_mul_ps(load16(q + 16 * c), vscale));
+    }
+    __m512 top[QB];
+    for (int64_t r = 0; r < QB; ++r) top[r] = ninf;
+    for (int64_t jb = 0; jb < n16; jb += 16) {
+      __m512 a[QB];
+      for (int64_t r = 0; r < QB; ++r) a[r] = _mm512_setzero_ps();
+      const float* kcol = ktp + jb;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kv = _mm512_loadu_ps(kcol + d * n16);
+        for (int64_t r = 0; r < QB; ++r)
+          a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[r * D + d]), kv, a[r]);
+      }
+      const bool last = jb + 16 == n16;
+      for (int64_t r = 0; r < QB; ++r) {
+        if (last) a[r] = _mm512_mask_blend_ps(keep, ninf, a[r]);
+        _mm512_storeu_ps(sc.data() + r * n16 + jb, a[r]);
+        top[r] = _mm512_max_ps(top[r], a[r]);
+      }
+    }
+    float inv[QB];
+    for (int64_t r = 0; r < QB; ++r) {
+      float* srow = sc.data() + r * n16;
+      const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top[r]));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t jb = 0; jb < n16; jb += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + jb), vtop));
+        if (jb + 16 == n16) e = _mm512_maskz_mov_ps(keep, e);  // padding keys weigh nothing
+        _mm512_storeu_ps(srow + jb, e);
+        total = _mm512_add_ps(total, e);
+      }
+      inv[r] = 1.f / _mm512_reduce_add_ps(total);
+    }
+    __m512 acc[QB][NV];
+    for (int64_t r = 0; r < QB; ++r)
+      for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+    const float* sp = sc.data();
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vv[NV];
+      for (int64_t c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vp + j * D + 16 * c);
+      for (int64_t r = 0; r < QB; ++r) {
+        const __m512 p = _mm512_set1_ps(sp[r * n16 + j]);
+        for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      T* o = out + (i0 + r) * hidden + h * D;
+      const __m512 scale_r = _mm512_set1_ps(inv[r]);
+      for (int64_t c = 0; c < NV; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r][c], scale_r));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, int64_t heads,
+                            double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(),
+              "packed_attention: qkv must be a contiguous [tokens, 3 * hidden]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() >= 2,
+              "packed_attention: offsets must be int64 [sequences + 1]");
+  TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0,
+              "packed_attention: qkv's width is not 3 x heads x head_dim");
+  const int64_t hidden = qkv.size(1) / 3, head_dim = hidden / heads;
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128,
+              "packed_attention: head_dim must be 32, 64 or 128");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "packed_attention: qkv must be float32 or bfloat16");
+  const auto off = offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t sequences = off.numel() - 1;
+  TORCH_CHECK(o[0] == 0 && o[sequences] == qkv.size(0),
+              "packed_attention: offsets must run from 0 to the token count");
+  for (int64_t s = 0; s < sequences; ++s)
+    TORCH_CHECK(o[s + 1] > o[s], "packed_attention: offsets must increase (no empty sequence)");
+  auto out = at::empty({qkv.size(0), hidden}, qkv.options());
+#if defined(__AVX512F__)
+  const float fscale = static_cast<float>(scale);
+  const int64_t stride = 3 * hidden;
+  auto run = [&](auto tag, auto nv) {
+    using T = decltype(tag);
+    constexpr int NV = decltype(nv)::value;
+    const T* q = qkv.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kt, vf, sc, qf;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / heads, h = task % heads, start = o[s];
+        packed_head<T, NV>(q + start * stride, stride, hidden, h, o[s + 1] - start, fscale, kt,
+                           vf, sc, qf, dst + start * hidden);
+      }
+    });
+  };
+  auto by_dim = [&](auto tag) {
+    switch (head_dim) {
+      case 32: run(tag, std::integral_constant<int, 2>{}); break;
+      case 64: run(tag, std::integral_constant<int, 4>{}); break;
+      case 128: run(tag, std::integral_constant<int, 8>{}); break;
+      default: TORCH_CHECK(false, "packed_attention: head_dim must be 32, 64 or 128");
+    }
+  };
+  if (qkv.scalar_type() == at::kBFloat16) by_dim(c10::BFloat16{});
+  else by_dim(float{});
+#else
+  TORCH_CHECK(false, "packed_attention: built without AVX-512");
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "gu [rows, 2 * inter] -> silu(gate) * up");
   m.def("rope", &rope, "rotary embedding in place on the first heads of x [rows, new, heads, dim]");
   m.def("add_rms_norm", &add_rms_norm,
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
+  m.def("packed_attention", &packed_attention,
+        "A packed encoder batch's self-attention from qkv [tokens, 3 * hidden] and offsets");
   m.def("decode_attention", &decode_attention,
         "Decode-step attention over each row's real columns (q [rows, heads, dim])");
 }

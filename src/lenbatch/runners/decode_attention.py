@@ -1,4 +1,4 @@
-"""A decode step's attention that reads only each row's real columns (a small C++ op).
+"""lenbatch's C++ ops: a decode step's attention over each row's real columns, and more.
 
 `decode_attention(q, keys, values, mask, scale)` computes, for one query per row, attention
 over the KV window's columns that `mask` marks real, for every query head of a key/value head
@@ -13,6 +13,10 @@ has none), a C++ compiler, and a build that succeeds. Anything else falls back t
 `F.scaled_dot_product_attention` (the caller's path) with one line in the log saying why.
 `LENBATCH_DECODE_ATTENTION=sdpa` forces the fallback (tests use it); `=kernel` requires the op
 and raises where it cannot be built.
+
+The same build holds the lean Llama path's fused passes (`add_rms_norm`, `rope`, `silu_mul`)
+and the packed encoder's attention (`packed_attention`: each sequence of a packed batch
+attends to its own tokens, straight from the fused Q/K/V rows; `runners/packed.py`).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def _build() -> Any:
 def decode_attention_op() -> Any | None:
     """The built op (`op.decode_attention(q, keys, values, mask, scale)`, and
     `op.add_rms_norm(h, delta, weight, eps)`, `op.rope(x, cos, sin, heads)`,
-    `op.silu_mul(gu)`), or None where it
+    `op.silu_mul(gu)`, and for packed encoders `op.packed_attention(qkv, offsets, heads,
+    scale)`), or None where it
     cannot be used here (logged once). Builds on the first call (tens of seconds), then loads
     from the venv's cache."""
     with _lock:

@@ -1,0 +1,68 @@
+"""The packed encoder attention op (`packed_attention` in `runners/decode_attention.cpp`) against
+torch's SDPA, sequence by sequence (the packed runner with and without it:
+tests/integration/test_packed_attention_runner.py).
+
+The reference runs `F.scaled_dot_product_attention` in float32 on each sequence's own tokens
+(no padding, no mask): the op must give the same output from the packed Q/K/V rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners import decode_attention as da
+from lenbatch.runners.hardware import cpu_flags
+
+AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
+pytestmark = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+
+
+def _reference(qkv: torch.Tensor, lengths: list[int], heads: int) -> torch.Tensor:
+    hidden = qkv.shape[1] // 3
+    dim = hidden // heads
+    out, start = [], 0
+    for n in lengths:
+        x = qkv[start : start + n].float().view(n, 3, heads, dim)
+        q, k, v = x.permute(1, 2, 0, 3).unbind(0)  # [heads, n, dim]
+        out.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(n, hidden))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype) -> None:
+    op = da.decode_attention_op()
+    assert op is not None
+    heads = 4
+    # lengths around the 16-key blocks and the query blocks, one token, a long one
+    lengths = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 100, 257]
+    gen = torch.Generator().manual_seed(dim)
+    qkv = (2 * torch.randn(sum(lengths), 3 * heads * dim, generator=gen)).to(dtype)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    got = op.packed_attention(qkv, offsets, heads, dim**-0.5)
+    assert got.dtype == dtype and got.shape == (sum(lengths), heads * dim)
+    want = _reference(qkv, lengths, heads)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    else:  # the output's bfloat16 rounding: half a unit in the last place is 0.4 % relative
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_refuses_what_it_cannot_compute() -> None:
+    op = da.decode_attention_op()
+    assert op is not None
+    qkv = torch.randn(10, 3 * 2 * 32)
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        op.packed_attention(qkv, torch.tensor([0, 4, 9]), 2, 0.1)
+    with pytest.raises(RuntimeError, match="no empty sequence"):
+        op.packed_attention(qkv, torch.tensor([0, 4, 4, 10]), 2, 0.1)
+    with pytest.raises(RuntimeError, match="head_dim must be 32, 64 or 128"):
+        op.packed_attention(torch.randn(10, 3 * 2 * 24), torch.tensor([0, 10]), 2, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op.packed_attention(qkv.double(), torch.tensor([0, 10]), 2, 0.1)
