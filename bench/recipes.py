@@ -507,6 +507,12 @@ script_recipe(
     "--blocks", "30",
 )  # fmt: skip
 script_recipe(
+    "packed-attention", "packed_attention.py",
+    "The packed encoder's attention, C++ op vs torch's, per bucket and whole forward, A/B "
+    "(packed_attention.md).",
+    "--rounds", "4",
+)  # fmt: skip
+script_recipe(
     "memory-growth", "memory_growth.py",
     "RSS of the runner over batches of varied shapes, in-process (capacity.md).",
     "--batches", "400",

@@ -66,3 +66,42 @@ def test_refuses_what_it_cannot_compute() -> None:
         op.packed_attention(torch.randn(10, 3 * 2 * 24), torch.tensor([0, 10]), 2, 0.1)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op.packed_attention(qkv.double(), torch.tensor([0, 10]), 2, 0.1)
+
+
+def test_the_op_lets_other_python_threads_run() -> None:
+    """The op runs without the GIL: Python code in another thread keeps running meanwhile (a
+    runner thread inside the op must not stop the event loop or the other runner)."""
+    import threading
+    import time
+
+    op = da.decode_attention_op()
+    assert op is not None
+    lengths = [256] * 64
+    qkv = torch.randn(sum(lengths), 3 * 12 * 32)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    t = time.perf_counter()
+    op.packed_attention(qkv, offsets, 12, 0.17)
+    alone = time.perf_counter() - t
+    assert alone > 0.02, "the call is too short to tell"
+    started = threading.Event()
+
+    def work() -> None:
+        started.set()
+        time.sleep(0.02)  # the loop below is running by the time the op starts
+        op.packed_attention(qkv, offsets, 12, 0.17)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    last = time.perf_counter()
+    longest = 0.0
+    while worker.is_alive():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    longest = max(longest, time.perf_counter() - last)  # a stall inside is_alive() counts too
+    worker.join()
+    # Holding the GIL, the op would stop this loop for its whole run; released, the loop only
+    # waits its turns (the interpreter's switch interval, 5 ms).
+    assert longest < alone / 2, (
+        f"this thread stood still {longest * 1e3:.0f} ms of {alone * 1e3:.0f}"
+    )

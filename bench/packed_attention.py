@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""The packed encoder's attention: lenbatch's C++ op against torch's, per bucket, A/B.
+
+    bench/run.py packed-attention
+    python bench/packed_attention.py --rounds 3 --out bench/results/packed_attention.md
+
+MiniLM packed in bfloat16 on one torch thread (one batch per thread, as `serve` runs two at
+once on two cores). For each of the long-input buckets (<= 35, 75, 112, 167, 256 tokens) a
+batch of 32 rows of random lengths within the bucket. Two measurements, each alternated
+between the two arms round by round so a host that slows down hits both alike:
+
+- attention alone, per layer call: `packed_attention` on the packed Q/K/V rows against the
+  padded grid, key mask and gather around `F.scaled_dot_product_attention` (the fallback);
+- the whole packed forward (`embed_packed`) of each batch, with the op and with it forced off.
+
+Reported: medians over the rounds (each round the median of 7 calls), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from lenbatch.core.collate import Packed, pack
+from lenbatch.runners import decode_attention as da
+from lenbatch.runners import load_runner
+from lenbatch.runners.hardware import processor_key
+from lenbatch.runners.packed import _Attention
+
+BUCKETS = ((8, 35), (36, 74), (75, 112), (113, 167), (168, 256))
+
+
+def _median_ms(fn: Callable[[], object], calls: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def _batches(rows: int, seed: int) -> list[Packed]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for lo, hi in BUCKETS:
+        lengths = rng.integers(lo, hi + 1, rows)
+        out.append(pack([list(rng.integers(1000, 20000, int(n))) for n in lengths]))
+    return out
+
+
+def measure(rounds: int, rows: int) -> str:
+    """The two tables, as Markdown."""
+    torch.set_num_threads(1)
+    op = da.decode_attention_op()
+    if op is None:
+        raise SystemExit(f"the C++ op is not available here: {da.kernel_unavailable()}")
+    with_op = load_runner("minilm", dtype="bfloat16", execution="packed")
+    os.environ["LENBATCH_DECODE_ATTENTION"] = "sdpa"
+    da._loaded.clear()
+    without = load_runner("minilm", dtype="bfloat16", execution="packed")
+    del os.environ["LENBATCH_DECODE_ATTENTION"]
+    assert with_op._kernel is not None and without._kernel is None  # type: ignore[attr-defined]
+    batches = _batches(rows, 0)
+    heads, dim = 12, 32
+    att: dict[str, list[list[float]]] = {"op": [], "sdpa": []}
+    fwd: dict[str, list[list[float]]] = {"op": [], "sdpa": []}
+    with torch.inference_mode():
+        for r in range(rounds):
+            for arm in ("op", "sdpa") if r % 2 == 0 else ("sdpa", "op"):
+                kernel = op if arm == "op" else None
+                row_a, row_f = [], []
+                for b in batches:
+                    qkv = torch.randn(b.real_tokens, 3 * heads * dim).bfloat16()
+                    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+                    attend = _Attention(b, cpu, bf16, b.real_tokens, kernel)
+                    row_a.append(_median_ms(lambda: attend(qkv, heads, dim)))  # noqa: B023
+                    runner = with_op if arm == "op" else without
+                    row_f.append(_median_ms(lambda: runner.embed_packed(b), calls=5))  # noqa: B023
+                att[arm].append(row_a)
+                fwd[arm].append(row_f)
+    lines = []
+    for title, res in (("Attention alone, one layer call", att), ("Whole packed forward", fwd)):
+        lines += [
+            f"**{title}** (ms, median over {rounds} rounds):",
+            "",
+            "| bucket | tokens | torch (grid + SDPA) | C++ op | torch / op |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for i, b in enumerate(batches):
+            old = statistics.median(x[i] for x in res["sdpa"])
+            new = statistics.median(x[i] for x in res["op"])
+            lo, hi = BUCKETS[i]
+            lines.append(
+                f"| {lo}-{hi} | {b.real_tokens:,} | {old:.2f} | {new:.2f} | {old / new:.2f}x |"
+            )
+        tot_old = sum(statistics.median(x[i] for x in res["sdpa"]) for i in range(len(batches)))
+        tot_new = sum(statistics.median(x[i] for x in res["op"]) for i in range(len(batches)))
+        lines += [
+            f"| all five | {sum(b.real_tokens for b in batches):,} | {tot_old:.1f} | "
+            f"{tot_new:.1f} | {tot_old / tot_new:.2f}x |",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Run both A/Bs and print (or write) the tables."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--rounds", type=int, default=4, help="alternated rounds per arm")
+    p.add_argument("--rows", type=int, default=32, help="rows per batch")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    body = measure(args.rounds, args.rows)
+    head = (
+        f"Command: `{' '.join(['bench/packed_attention.py', *sys.argv[1:]])}`  \n"
+        f"Processor: `{processor_key()}`; torch {torch.__version__}, 1 thread, "
+        f"Python {platform.python_version()}; MiniLM packed, bfloat16, {args.rows} rows per "
+        "batch of random lengths within each bucket.\n\n"
+    )
+    text = head + body
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
