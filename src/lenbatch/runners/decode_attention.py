@@ -113,8 +113,11 @@ def decode_attention_op() -> Any | None:
                     raise
                 why = f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         if op is None:
-            log.info("decode attention: torch SDPA (%s)", why)
+            log.info("C++ ops off, attention by torch SDPA (%s)", why)
         else:
-            log.info("decode attention: C++ kernel over real columns (AVX-512, built for this CPU)")
+            log.info(
+                "C++ ops (AVX-512, built for this CPU): decode attention over real columns, "
+                "packed encoder attention, fused Llama passes"
+            )
         _loaded["op"] = op
         return op
