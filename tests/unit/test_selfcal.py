@@ -110,7 +110,7 @@ def test_first_start_calibrates_and_caches_the_next_loads(
 
 @pytest.mark.parametrize(
     "change",
-    ["threads", "dtype", "quantization", "execution", "version"],
+    ["threads", "dtype", "quantization", "execution", "version", "runner code"],
 )
 def test_any_change_of_key_misses_the_cache(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch, change: str
@@ -129,9 +129,24 @@ def test_any_change_of_key_misses_the_cache(
         key = dataclasses.replace(key, quantization="int8")
     elif change == "execution":
         execution = "packed"
-    else:
+    elif change == "version":
         monkeypatch.setattr(costcache, "_version", lambda dist: "9.9.9")
+    else:  # a source checkout's runners changed, its version string did not
+        monkeypatch.setattr(costcache, "runner_code", lambda: "0badc0de")
     assert costcache.cached_cost(key, execution, env) is None
+
+
+def test_the_runner_code_hash_covers_the_runners_source() -> None:
+    """The hash is stable, and it is over the runners' own files (the C++ op's included)."""
+    from importlib import resources
+
+    names = {e.name for e in resources.files("lenbatch.runners").iterdir()}
+    assert "packed.py" in names and "decode_attention.cpp" in names
+    code = costcache.runner_code()
+    assert len(code) == 8 and int(code, 16) >= 0
+    costcache.runner_code.cache_clear()
+    assert costcache.runner_code() == code
+    assert code in str(costcache.cost_cache_dir({"LENBATCH_CACHE_DIR": "/x"}))
 
 
 def test_a_strategy_that_reads_no_cost_model_does_not_calibrate(env: dict[str, str]) -> None:

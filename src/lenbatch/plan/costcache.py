@@ -5,8 +5,11 @@ A cost model holds only for the processor, torch thread count, float type, quant
 execution it was measured with, and for the code that ran it. Each file is keyed by all of
 them:
 
-- the folder: `<cache root>/costs/lenbatch-<version>_torch-<version>/`, so another lenbatch or
-  torch version never reads an older file (the old folder is simply left behind);
+- the folder: `<cache root>/costs/lenbatch-<version>-<runner code>_torch-<version>/`, so another
+  lenbatch or torch version never reads an older file (the old folder is simply left behind).
+  `<runner code>` is a hash of the runners' source (`lenbatch/runners/`, its C++ included):
+  a source checkout keeps its version string across commits, and a faster forward (the packed
+  attention op made MiniLM's 1.2x faster) would otherwise start from a model of the slower one;
 - the file name: the execution (`packed`, `padded`) and `CostKey.file_name()` (served model,
   work, dtype, quantization, processor key with its thread count), so a change of any of
   them misses.
@@ -18,11 +21,13 @@ The cache root is `$LENBATCH_CACHE_DIR` when set (the tests use their own), else
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 from collections.abc import Mapping
-from importlib import metadata
+from functools import cache
+from importlib import metadata, resources
 from pathlib import Path
 
 from lenbatch.core.costkey import CostKey
@@ -34,6 +39,7 @@ __all__ = [
     "cached_cost",
     "cost_cache_dir",
     "cost_cache_file",
+    "runner_code",
     "store_cost",
 ]
 
@@ -47,6 +53,18 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+@cache
+def runner_code() -> str:
+    """8 hex digits of a hash over the runners' source files (`lenbatch/runners/*.py`, `*.cpp`):
+    what computes a batch, so what a cost model measured."""
+    folder = resources.files("lenbatch.runners")
+    digest = hashlib.sha256()
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith((".py", ".cpp")) and entry.is_file():
+            digest.update(entry.name.encode() + b"\0" + entry.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def _slug(text: str) -> str:
@@ -68,7 +86,8 @@ def cost_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The folder of cached cost models for this lenbatch and torch version."""
     # the installed distributions' versions (the package root re-exports `__version__`, but
     # plan/ sits below it and does not import it)
-    versions = f"lenbatch-{_slug(_version('lenbatch'))}_torch-{_slug(_version('torch'))}"
+    lenbatch = f"{_slug(_version('lenbatch'))}-{runner_code()}"
+    versions = f"lenbatch-{lenbatch}_torch-{_slug(_version('torch'))}"
     return cache_root(environ) / "costs" / versions
 
 
