@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The packed encoder's attention: lenbatch's C++ op against torch's, per bucket, A/B.
+"""The packed encoder's attention: lenbatch's C++ op (AVX-512; AMX tiles) against torch's, A/B.
 
     bench/run.py packed-attention
     python bench/packed_attention.py --rounds 3 --out bench/results/packed_attention.md
@@ -7,11 +7,14 @@
 MiniLM packed in bfloat16 on one torch thread (one batch per thread, as `serve` runs two at
 once on two cores). For each of the long-input buckets (<= 35, 75, 112, 167, 256 tokens) a
 batch of 32 rows of random lengths within the bucket. Two measurements, each alternated
-between the two arms round by round so a host that slows down hits both alike:
+between the arms round by round so a host that slows down hits all alike:
 
 - attention alone, per layer call: `packed_attention` on the packed Q/K/V rows against the
   padded grid, key mask and gather around `F.scaled_dot_product_attention` (the fallback);
 - the whole packed forward (`embed_packed`) of each batch, with the op and with it forced off.
+
+The op has two arms where the CPU has the AMX tile unit: its AVX-512 loop (`LENBATCH_AMX=off`)
+and its tile path (the default there); elsewhere only the first.
 
 Reported: medians over the rounds (each round the median of 7 calls), and the ratio.
 """
@@ -74,44 +77,58 @@ def measure(rounds: int, rows: int) -> str:
     assert with_op._kernel is not None and without._kernel is None  # type: ignore[attr-defined]
     batches = _batches(rows, 0)
     heads, dim = 12, 32
-    att: dict[str, list[list[float]]] = {"op": [], "sdpa": []}
-    fwd: dict[str, list[list[float]]] = {"op": [], "sdpa": []}
+    arms = ["sdpa", "avx512"] + (["amx"] if op.has_amx() else [])
+    names = {"sdpa": "torch (grid + SDPA)", "avx512": "op, AVX-512", "amx": "op, AMX tiles"}
+    att: dict[str, list[list[float]]] = {arm: [] for arm in arms}
+    fwd: dict[str, list[list[float]]] = {arm: [] for arm in arms}
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
     with torch.inference_mode():
         for r in range(rounds):
-            for arm in ("op", "sdpa") if r % 2 == 0 else ("sdpa", "op"):
-                kernel = op if arm == "op" else None
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                kernel = None if arm == "sdpa" else op
+                runner = without if arm == "sdpa" else with_op
+                runner._amx = arm == "amx"  # type: ignore[attr-defined]
                 row_a, row_f = [], []
                 for b in batches:
                     qkv = torch.randn(b.real_tokens, 3 * heads * dim).bfloat16()
-                    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-                    attend = _Attention(b, cpu, bf16, b.real_tokens, kernel)
+                    attend = _Attention(b, cpu, bf16, b.real_tokens, kernel, arm == "amx")
                     row_a.append(_median_ms(lambda: attend(qkv, heads, dim)))  # noqa: B023
-                    runner = with_op if arm == "op" else without
                     row_f.append(_median_ms(lambda: runner.embed_packed(b), calls=5))  # noqa: B023
                 att[arm].append(row_a)
                 fwd[arm].append(row_f)
+    ratios = [(arms[i], arms[j]) for i in range(len(arms)) for j in range(i + 1, len(arms))]
     lines = []
     for title, res in (("Attention alone, one layer call", att), ("Whole packed forward", fwd)):
+        med = {
+            arm: [statistics.median(x[i] for x in res[arm]) for i in range(len(batches))]
+            for arm in arms
+        }
         lines += [
             f"**{title}** (ms, median over {rounds} rounds):",
             "",
-            "| bucket | tokens | torch (grid + SDPA) | C++ op | torch / op |",
-            "|---|---:|---:|---:|---:|",
+            "| bucket | tokens | "
+            + " | ".join(names[a] for a in arms)
+            + " | "
+            + " | ".join(f"{a} / {b}" for a, b in ratios)
+            + " |",
+            "|---|---:|" + "---:|" * (len(arms) + len(ratios)),
         ]
-        for i, b in enumerate(batches):
-            old = statistics.median(x[i] for x in res["sdpa"])
-            new = statistics.median(x[i] for x in res["op"])
-            lo, hi = BUCKETS[i]
+        rows_out = [
+            (f"{lo}-{hi}", b.real_tokens, {a: med[a][i] for a in arms})
+            for i, ((lo, hi), b) in enumerate(zip(BUCKETS, batches, strict=True))
+        ]
+        rows_out.append(
+            ("all five", sum(b.real_tokens for b in batches), {a: sum(med[a]) for a in arms})
+        )
+        for label, tokens, ms in rows_out:
             lines.append(
-                f"| {lo}-{hi} | {b.real_tokens:,} | {old:.2f} | {new:.2f} | {old / new:.2f}x |"
+                f"| {label} | {tokens:,} | "
+                + " | ".join(f"{ms[a]:.2f}" for a in arms)
+                + " | "
+                + " | ".join(f"{ms[a] / ms[b]:.2f}x" for a, b in ratios)
+                + " |"
             )
-        tot_old = sum(statistics.median(x[i] for x in res["sdpa"]) for i in range(len(batches)))
-        tot_new = sum(statistics.median(x[i] for x in res["op"]) for i in range(len(batches)))
-        lines += [
-            f"| all five | {sum(b.real_tokens for b in batches):,} | {tot_old:.1f} | "
-            f"{tot_new:.1f} | {tot_old / tot_new:.2f}x |",
-            "",
-        ]
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -34,9 +34,17 @@ def _reference(qkv: torch.Tensor, lengths: list[int], heads: int) -> torch.Tenso
     return torch.cat(out)
 
 
+AMX = "amx_bf16" in cpu_flags()
+
+
 @pytest.mark.parametrize("dim", [32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "amx"),
+    [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32", "bfloat16-avx512", "bfloat16-amx-where-present"],
+)
+def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype, amx: bool) -> None:
+    """bfloat16 runs on the AMX tiles where the CPU has them (`amx`), else on AVX-512."""
     op = da.decode_attention_op()
     assert op is not None
     heads = 4
@@ -45,13 +53,30 @@ def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(dim)
     qkv = (2 * torch.randn(sum(lengths), 3 * heads * dim, generator=gen)).to(dtype)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
-    got = op.packed_attention(qkv, offsets, heads, dim**-0.5)
+    got = op.packed_attention(qkv, offsets, heads, dim**-0.5, amx)
     assert got.dtype == dtype and got.shape == (sum(lengths), heads * dim)
     want = _reference(qkv, lengths, heads)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     else:  # the output's bfloat16 rounding: half a unit in the last place is 0.4 % relative
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_the_tile_unit_is_used_where_the_cpu_has_it() -> None:
+    """On an AMX CPU the build holds the tile path and Linux grants it; elsewhere it is absent
+    (a Zen 4 has AVX-512 but no tiles). The two paths differ in their rounding (probabilities
+    in bfloat16 on the tiles), so they are two computations, both close to SDPA above."""
+    op = da.decode_attention_op()
+    assert op is not None
+    assert op.has_amx() == AMX
+    if AMX:
+        lengths = [40, 70]
+        qkv = torch.randn(sum(lengths), 3 * 2 * 32).bfloat16()
+        offsets = torch.tensor([0, 40, 110])
+        tiles = op.packed_attention(qkv, offsets, 2, 0.17, True)
+        vectors = op.packed_attention(qkv, offsets, 2, 0.17, False)
+        assert not torch.equal(tiles, vectors)
+        torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=1e-2)
 
 
 def test_refuses_what_it_cannot_compute() -> None:

@@ -14,6 +14,10 @@ has none), a C++ compiler, and a build that succeeds. Anything else falls back t
 `LENBATCH_DECODE_ATTENTION=sdpa` forces the fallback (tests use it); `=kernel` requires the op
 and raises where it cannot be built.
 
+On a CPU with the AMX tile unit (a Sapphire Rapids class Xeon: `amx_bf16` in `/proc/cpuinfo`;
+no AMD processor has one) the build also holds a bfloat16 `packed_attention` on the tiles, used
+where Linux grants the process the tile registers; `LENBATCH_AMX=off` keeps it on AVX-512.
+
 The same build holds the lean Llama path's fused passes (`add_rms_norm`, `rope`, `silu_mul`)
 and the packed encoder's attention (`packed_attention`: each sequence of a packed batch
 attends to its own tokens, straight from the fused Q/K/V rows; `runners/packed.py`).
@@ -34,12 +38,13 @@ import torch
 
 from lenbatch.runners.hardware import cpu_flags
 
-__all__ = ["decode_attention_op", "kernel_unavailable"]
+__all__ = ["amx_allowed", "decode_attention_op", "kernel_unavailable"]
 
 log = logging.getLogger("lenbatch.runner")
 
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 _ENV = "LENBATCH_DECODE_ATTENTION"
+_AMX_ENV = "LENBATCH_AMX"
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 
@@ -60,6 +65,15 @@ def kernel_unavailable() -> str | None:
     if not _SOURCE.exists():
         return f"{_SOURCE.name} is missing"
     return None
+
+
+def amx_allowed() -> bool:
+    """Whether the ops may use the AMX tile unit where the build and the CPU have one
+    (`LENBATCH_AMX=off` keeps bfloat16 packed attention on AVX-512, for A/B runs)."""
+    choice = os.environ.get(_AMX_ENV, "auto").strip().lower()
+    if choice not in ("auto", "off"):
+        raise ValueError(f"{_AMX_ENV}={choice!r} (expected auto or off)")
+    return choice == "auto"
 
 
 def _ninja() -> str | None:
@@ -97,7 +111,7 @@ def decode_attention_op() -> Any | None:
     """The built op (`op.decode_attention(q, keys, values, mask, scale)`, and
     `op.add_rms_norm(h, delta, weight, eps)`, `op.rope(x, cos, sin, heads)`,
     `op.silu_mul(gu)`, and for packed encoders `op.packed_attention(qkv, offsets, heads,
-    scale)`), or None where it
+    scale, use_amx=True)`, `op.has_amx()`), or None where it
     cannot be used here (logged once). Builds on the first call (tens of seconds), then loads
     from the venv's cache."""
     with _lock:
@@ -115,9 +129,11 @@ def decode_attention_op() -> Any | None:
         if op is None:
             log.info("C++ ops off, attention by torch SDPA (%s)", why)
         else:
+            amx = op.has_amx() and amx_allowed()
             log.info(
                 "C++ ops (AVX-512, built for this CPU): decode attention over real columns, "
-                "packed encoder attention, fused Llama passes"
+                "packed encoder attention%s, fused Llama passes",
+                " (bfloat16 on AMX tiles)" if amx else "",
             )
         _loaded["op"] = op
         return op

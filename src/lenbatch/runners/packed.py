@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.core.collate import Collated, Packed, pack_collated
-from lenbatch.runners.decode_attention import decode_attention_op
+from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.encoder import EncoderRunner
 from lenbatch.runners.linears import Linear, linear_kind, rounded_tokens
 from lenbatch.runners.memory import current_rss
@@ -128,6 +128,7 @@ class PackedEncoderRunner(EncoderRunner):
             if self.device.type == "cpu" and head_dims <= {32, 64, 128}
             else None
         )
+        self._amx = amx_allowed()
         # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
         # encoder weights would only take memory.
         del self.model.encoder
@@ -188,7 +189,7 @@ class PackedEncoderRunner(EncoderRunner):
         rounded = rounded_tokens(tokens)
         if rounded != tokens:  # zero rows: finite through every layer, dropped at the end
             x = F.pad(x, (0, 0, 0, rounded - tokens))
-        attend = _Attention(batch, dev, self._mm_dtype, rounded, self._kernel)
+        attend = _Attention(batch, dev, self._mm_dtype, rounded, self._kernel, self._amx)
         for layer in self._layers:
             if self.between_layers is not None:
                 self.between_layers()  # the CPU budget may pause here (several models)
@@ -225,6 +226,7 @@ class _Attention:
         dtype: torch.dtype,
         rounded: int,
         kernel: Any = None,
+        amx: bool = True,
     ) -> None:
         self.rows, self.width, self.tokens = batch.rows, batch.width, batch.real_tokens
         self.rounded = rounded  # rows of the packed stream (the real tokens, then zero rows)
@@ -234,6 +236,7 @@ class _Attention:
         self.mask: torch.Tensor | None = None
         # the C++ op, where built: it takes the packed rows and the sequences' offsets
         self.kernel = kernel
+        self.amx = amx  # bfloat16 on the AMX tile unit, where the build has it
         self.offsets = torch.from_numpy(batch.offsets) if kernel is not None else None
         if kernel is None and not self.uniform:
             self.slots = torch.from_numpy(batch.slots).to(device)
@@ -247,7 +250,7 @@ class _Attention:
         qkv = qkv[: self.tokens]
         if self.kernel is not None:
             out: torch.Tensor = self.kernel.packed_attention(
-                qkv, self.offsets, heads, head_dim**-0.5
+                qkv, self.offsets, heads, head_dim**-0.5, self.amx
             )
             return (
                 out
