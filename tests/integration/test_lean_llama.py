@@ -236,3 +236,36 @@ def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
         assert r.lean is not None and r.lean.plan.switch_rows == 1024
         got = r.forward(ids, mask, pos, r.new_cache())
         assert float(F.cosine_similarity(got, ref).min()) > least, q
+
+
+@pytest.mark.skipif(
+    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
+    reason="a whole prompt's attention runs on AMX tiles only on a CPU that has them",
+)
+def test_whole_prompts_on_amx_tiles_match_torch_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bfloat16 on an AMX CPU, a whole unpadded prompt's causal attention (grouped-query
+    heads) runs as tile products from the fused Q/K/V rows; its logits agree with torch's
+    flash attention (`LENBATCH_AMX=off`) within bfloat16 rounding, and greedy decoding from
+    them picks the same tokens. Two prompts of one length in one forward: two sequences."""
+    from lenbatch.runners.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "llama-hd32", "llama", hidden=128, heads=4)
+    runners = {}
+    for amx in ("auto", "off"):
+        monkeypatch.setenv("LENBATCH_AMX", amx)
+        runner = CausalLMRunner(folder, name="tiny-llama", dtype="bfloat16")
+        assert runner.lean is not None and runner.lean.tiles is (amx == "auto")
+        runners[amx] = runner
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 500, (2, 70), generator=gen)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(70).expand(2, 70)
+    tiles = runners["auto"].forward(ids, mask, pos, runners["auto"].new_cache())
+    torch_ = runners["off"].forward(ids, mask, pos, runners["off"].new_cache())
+    scale = float(torch_.abs().max())
+    torch.testing.assert_close(tiles, torch_, atol=0.03 * scale, rtol=0)
+    assert torch.equal(tiles.argmax(-1), torch_.argmax(-1))
+    prompt = ids[0].tolist()
+    assert _greedy(runners["auto"], prompt, 8) == _greedy(runners["off"], prompt, 8)

@@ -79,6 +79,32 @@ def test_the_tile_unit_is_used_where_the_cpu_has_it() -> None:
         torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(not AMX, reason="causal and grouped-query heads run only on AMX tiles")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_causal_prompts_on_tiles(heads: int, kv_heads: int, dim: int, causal: bool) -> None:
+    """A causal LM's prompts (SmolLM2: 9 query heads on 3 key/value heads of 64): each query
+    head reads its group's key/value head, and causal tokens see only those before them."""
+    op = da.decode_attention_op()
+    assert op is not None
+    lengths = [1, 15, 16, 17, 33, 130]
+    gen = torch.Generator().manual_seed(heads * dim)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = (2 * torch.randn(sum(lengths), width, generator=gen)).bfloat16()
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    got = op.packed_attention(qkv, offsets, heads, dim**-0.5, True, kv_heads, causal)
+    want, start = [], 0
+    for n in lengths:
+        x = qkv[start : start + n].float()
+        q = x[:, : heads * dim].view(n, heads, dim).transpose(0, 1)
+        k = x[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
+        v = x[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        want.append(o.transpose(0, 1).reshape(n, heads * dim))
+        start += n
+    torch.testing.assert_close(got.float(), torch.cat(want), atol=2e-2, rtol=1e-2)
+
+
 def test_refuses_what_it_cannot_compute() -> None:
     op = da.decode_attention_op()
     assert op is not None
@@ -91,6 +117,10 @@ def test_refuses_what_it_cannot_compute() -> None:
         op.packed_attention(torch.randn(10, 3 * 2 * 24), torch.tensor([0, 10]), 2, 0.1)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op.packed_attention(qkv.double(), torch.tensor([0, 10]), 2, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        op.packed_attention(torch.randn(10, 7 * 32), torch.tensor([0, 10]), 3, 0.1, True, 2)
+    with pytest.raises(RuntimeError, match="runs only on AMX tiles"):  # float32 never does
+        op.packed_attention(qkv, torch.tensor([0, 10]), 2, 0.1, True, 2, True)
 
 
 def test_the_op_lets_other_python_threads_run() -> None:

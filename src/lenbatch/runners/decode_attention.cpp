@@ -443,9 +443,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 // MiniLM layer for 32 rows x <= 112 tokens in bfloat16 on one thread (Intel Xeon family 6
 // model 167), plus 3-4 ms to lay the packed rows out as a padded grid and back.
 //
-// qkv     [tokens, 3 * heads * head_dim]  (contiguous: Q | K | V per token, heads inside each)
+// qkv     [tokens, (heads + 2 kv_heads) * head_dim]  (contiguous: Q | K | V per token, heads
+//                                          inside each; kv_heads = heads for an encoder)
 // offsets [sequences + 1] int64           (sequence s is tokens offsets[s] .. offsets[s+1]-1)
 // out     [tokens, heads * head_dim]      (qkv's dtype)
+//
+// On AMX tiles (bfloat16) it also runs a causal LM's prompt: grouped-query heads (query head h
+// reads key/value head h / (heads / kv_heads)) and `causal` (token i attends to 0..i).
 //
 // Per (sequence, head): K is laid out transposed as float32 [head_dim, n rounded to 16] and V
 // as float32 [n, head_dim]; then for each query 16 scores at a time (the query's elements
@@ -611,8 +615,12 @@ struct AmxScratch {
 };
 
 template <int D>
-void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, int64_t h,
-                     int64_t n, float scale, AmxScratch& w, c10::BFloat16* out) {
+// One (sequence, query head): the head's Q, K and V start at columns qc, kc and vc of rows
+// `stride` apart; its output goes to `out` (rows `out_stride` apart). `causal`: query i sees
+// keys 0..i only (a prompt's prefill), and a query block reads no key past its last query.
+void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t qc, int64_t kc,
+                     int64_t vc, int64_t n, float scale, bool causal, AmxScratch& w,
+                     c10::BFloat16* out, int64_t out_stride) {
   constexpr int DS = D / 32;  // 32-wide slices of head_dim (A tiles of Q, B tiles of K)
   constexpr int DB = D / 16;  // 16-wide blocks of head_dim (output tiles)
   const int64_t n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
@@ -621,8 +629,8 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
   // elements (2r, 2r + 1) of that slice: a 16 x 16 transpose of 32-bit pairs.
   w.k.assign(n16 / 16 * DS * 256, 0u);
   for (int64_t j = 0; j < n; ++j) {
-    const auto* krow = reinterpret_cast<const uint32_t*>(raw + j * stride + hidden + h * D);
-    if (j + 8 < n) fetch_row(krow + 8 * stride / 2, 2 * D);  // rows lie 3 x hidden apart
+    const auto* krow = reinterpret_cast<const uint32_t*>(raw + j * stride + kc);
+    if (j + 8 < n) fetch_row(krow + 8 * stride / 2, 2 * D);  // rows lie `stride` apart
     uint32_t* dst = w.k.data() + (j / 16) * DS * 256 + (j % 16);
     for (int s = 0; s < DS; ++s)
       for (int r = 0; r < 16; ++r) dst[s * 256 + r * 16] = krow[s * 16 + r];
@@ -637,7 +645,7 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
     const __m512i lo = _mm512_load_si512(kLo);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t j = 0; j < n; j += 2) {
-      const uint16_t* a = raw + j * stride + 2 * hidden + h * D;
+      const uint16_t* a = raw + j * stride + vc;
       const uint16_t* b = a + stride;
       const bool pair = j + 1 < n;
       if (j + 8 < n) fetch_row(a + 8 * stride, 2 * D);
@@ -662,11 +670,14 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
   _tile_loadd(7, w.ones, 64);
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - i0);
+    // Keys this block reads: all, or (causal) up to its last query.
+    const int64_t nk = causal ? std::min(n, i0 + 16) : n;
+    const int64_t nk16 = (nk + 15) / 16 * 16, nk32 = (nk + 31) / 32 * 32;
     for (int64_t r = 16; r < 32 && i0 + r < n; ++r)  // the next block's queries, ahead
-      fetch_row(raw + (i0 + r) * stride + h * D, 2 * D);
+      fetch_row(raw + (i0 + r) * stride + qc, 2 * D);
     for (int64_t r = 0; r < 16; ++r) {
       uint16_t* qd = w.q.data() + r * D;
-      if (r < m) std::memcpy(qd, raw + (i0 + r) * stride + h * D, D * sizeof(uint16_t));
+      if (r < m) std::memcpy(qd, raw + (i0 + r) * stride + qc, D * sizeof(uint16_t));
       else std::memset(qd, 0, D * sizeof(uint16_t));
     }
     // Scores: tile 0 accumulates, tile 1 holds K's slice, tiles 2.. hold Q's slices.
@@ -674,7 +685,7 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
     if constexpr (DS > 1) _tile_loadd(3, w.q.data() + 32, D * 2);
     if constexpr (DS > 2) _tile_loadd(4, w.q.data() + 64, D * 2);
     if constexpr (DS > 3) _tile_loadd(5, w.q.data() + 96, D * 2);
-    for (int64_t b = 0; b < n16 / 16; ++b) {
+    for (int64_t b = 0; b < nk16 / 16; ++b) {
       _tile_zero(0);
       for (int s = 0; s < DS; ++s) {
         _tile_loadd(1, w.k.data() + (b * DS + s) * 256, 64);
@@ -693,11 +704,14 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
     for (int64_t r = 0; r < m; ++r) {
       const float* srow = w.s.data() + r * n16;
       __m512 top = ninf;
-      for (int64_t jb = 0; jb + 16 < n16; jb += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(srow + jb));
-      top = _mm512_mask_max_ps(top, keep, top, _mm512_loadu_ps(srow + n16 - 16));
+      // The last block's real keys: those before n, or (causal) up to this query.
+      const __mmask16 last = causal ? static_cast<__mmask16>((1u << (r + 1)) - 1) : keep;
+      for (int64_t jb = 0; jb + 16 < nk16; jb += 16)
+        top = _mm512_max_ps(top, _mm512_loadu_ps(srow + jb));
+      top = _mm512_mask_max_ps(top, last, top, _mm512_loadu_ps(srow + nk16 - 16));
       const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(top) * base2);
       uint16_t* prow = w.p.data() + r * n32;
-      for (int64_t jb = 0; jb < n16; jb += 16) {
+      for (int64_t jb = 0; jb < nk16; jb += 16) {
         __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(srow + jb), vbase2, shift);
         t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
         const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -708,7 +722,7 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
         e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.6931471806f));
         e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.f));
         e = _mm512_scalef_ps(e, k);
-        if (jb + 16 == n16) e = _mm512_maskz_mov_ps(keep, e);  // padding keys weigh nothing
+        if (jb + 16 == nk16) e = _mm512_maskz_mov_ps(last, e);  // masked keys weigh nothing
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + jb), (__m256i)_mm512_cvtneps_pbh(e));
       }
     }
@@ -720,7 +734,7 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
     _tile_zero(6);
     for (int c = 0; c < DB; ++c) {
       _tile_zero(0);
-      for (int64_t b = 0; b < n32 / 32; ++b) {
+      for (int64_t b = 0; b < nk32 / 32; ++b) {
         _tile_loadd(1, w.p.data() + b * 32, n32 * 2);
         _tile_loadd(2, w.v.data() + (b * DB + c) * 256, 64);
         _tile_dpbf16ps(0, 1, 2);
@@ -729,7 +743,7 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
       if (c == 0) _tile_stored(6, w.sums, 64);
       _tile_stored(0, w.o, 64);
       for (int64_t r = 0; r < m; ++r)
-        store16(out + (i0 + r) * hidden + h * D + 16 * c,
+        store16(out + (i0 + r) * out_stride + 16 * c,
                 _mm512_mul_ps(_mm512_loadu_ps(w.o + 16 * r), _mm512_set1_ps(1.f / w.sums[16 * r])));
     }
   }
@@ -739,14 +753,18 @@ void packed_head_amx(const c10::BFloat16* base, int64_t stride, int64_t hidden, 
 }  // namespace
 
 at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, int64_t heads,
-                            double scale, bool use_amx) {
+                            double scale, bool use_amx, int64_t kv_heads, bool causal) {
+  if (kv_heads <= 0) kv_heads = heads;
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(),
-              "packed_attention: qkv must be a contiguous [tokens, 3 * hidden]");
+              "packed_attention: qkv must be a contiguous [tokens, (heads + 2 kv_heads) x dim]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() >= 2,
               "packed_attention: offsets must be int64 [sequences + 1]");
-  TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0,
-              "packed_attention: qkv's width is not 3 x heads x head_dim");
-  const int64_t hidden = qkv.size(1) / 3, head_dim = hidden / heads;
+  TORCH_CHECK(heads > 0 && heads % kv_heads == 0,
+              "packed_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "packed_attention: qkv's width is not (heads + 2 kv_heads) x head_dim");
+  const int64_t head_dim = qkv.size(1) / (heads + 2 * kv_heads), hidden = heads * head_dim;
+  const int64_t group = heads / kv_heads;
   TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128,
               "packed_attention: head_dim must be 32, 64 or 128");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
@@ -761,7 +779,37 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
   auto out = at::empty({qkv.size(0), hidden}, qkv.options());
 #if defined(__AVX512F__)
   const float fscale = static_cast<float>(scale);
-  const int64_t stride = 3 * hidden;
+  const int64_t stride = qkv.size(1);
+#if defined(LENBATCH_AMX)
+  if (use_amx && qkv.scalar_type() == at::kBFloat16 && amx_ready()) {
+    const auto* q = qkv.data_ptr<c10::BFloat16>();
+    auto* dst = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+      AmxScratch w;
+      amx_configure();
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / heads, h = task % heads, start = o[s], n = o[s + 1] - start;
+        const int64_t kv = h / group;  // the key/value head this query head shares
+        const int64_t qc = h * head_dim, kc = hidden + kv * head_dim;
+        const int64_t vc = hidden + (kv_heads + kv) * head_dim;
+        const auto* base = q + start * stride;
+        auto* o_s = dst + start * hidden + h * head_dim;
+        if (head_dim == 32)
+          packed_head_amx<32>(base, stride, qc, kc, vc, n, fscale, causal, w, o_s, hidden);
+        else if (head_dim == 64)
+          packed_head_amx<64>(base, stride, qc, kc, vc, n, fscale, causal, w, o_s, hidden);
+        else
+          packed_head_amx<128>(base, stride, qc, kc, vc, n, fscale, causal, w, o_s, hidden);
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
+  // The AVX-512 loop: bidirectional, one key/value head per query head (encoders).
+  TORCH_CHECK(!causal && kv_heads == heads,
+              "packed_attention: causal or grouped-query attention runs only on AMX tiles in "
+              "bfloat16 (use torch's attention elsewhere)");
   auto run = [&](auto tag, auto nv) {
     using T = decltype(tag);
     constexpr int NV = decltype(nv)::value;
@@ -776,26 +824,6 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
       }
     });
   };
-#if defined(LENBATCH_AMX)
-  if (use_amx && qkv.scalar_type() == at::kBFloat16 && amx_ready()) {
-    const auto* q = qkv.data_ptr<c10::BFloat16>();
-    auto* dst = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
-      AmxScratch w;
-      amx_configure();
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / heads, h = task % heads, start = o[s], n = o[s + 1] - start;
-        const auto* base = q + start * stride;
-        auto* o_s = dst + start * hidden;
-        if (head_dim == 32) packed_head_amx<32>(base, stride, hidden, h, n, fscale, w, o_s);
-        else if (head_dim == 64) packed_head_amx<64>(base, stride, hidden, h, n, fscale, w, o_s);
-        else packed_head_amx<128>(base, stride, hidden, h, n, fscale, w, o_s);
-      }
-      _tile_release();
-    });
-    return out;
-  }
-#endif
   auto by_dim = [&](auto tag) {
     switch (head_dim) {
       case 32: run(tag, std::integral_constant<int, 2>{}); break;
@@ -823,10 +851,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil(),
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
   m.def("packed_attention", &packed_attention, nogil(),
-        "A packed encoder batch's self-attention from qkv [tokens, 3 * hidden] and offsets "
-        "(bfloat16 on the AMX tile unit where the CPU has one and use_amx is true)",
+        "Packed self-attention from qkv [tokens, (heads + 2 kv_heads) x dim] and offsets "
+        "(bfloat16 on the AMX tile unit where the CPU has one and use_amx is true; causal and "
+        "grouped-query heads only there)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"),
-        py::arg("use_amx") = true);
+        py::arg("use_amx") = true, py::arg("kv_heads") = 0, py::arg("causal") = false);
   m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
   m.def("decode_attention", &decode_attention, nogil(),
         "Decode-step attention over each row's real columns (q [rows, heads, dim])");

@@ -13,9 +13,11 @@ runs the same computation with less per-step overhead:
   per forward (shared by every layer), not a 4-D float mask rebuilt per layer;
 * a decode step's attention through a small C++ op (`runners/decode_attention.py`, built just
   in time on a CPU with AVX-512) that reads only each row's real columns of the KV window, once
-  per key/value head for all its query heads; elsewhere, and for prefill, torch's
-  `F.scaled_dot_product_attention` with grouped-query heads, reading the window in place
-  (`generate.kvcache.WindowLayer` returns views; `LeanLlama._attend`).
+  per key/value head for all its query heads; a whole unpadded prompt's causal attention in
+  bfloat16 on a CPU with AMX through the same build's `packed_attention` (tile products straight
+  from the fused Q/K/V rows); elsewhere torch's `F.scaled_dot_product_attention` with
+  grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
+  views; `LeanLlama._attend`).
 
 The cache contract is transformers' (`cache.update(keys, values, layer_idx)` returns the layer's
 keys and values so far), so the engine's window cache, a prefill's `DynamicCache` and the
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.runners.base import Segment
-from lenbatch.runners.decode_attention import decode_attention_op
+from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.linears import rounded_tokens
 from lenbatch.runners.weightonly import LinearPlan, RowLinear, make_linear
 
@@ -115,6 +117,16 @@ class LeanLlama:
         self.kernel = decode_attention_op()
         self.plan = plan
         self.dtype: torch.dtype = dtype or inner.embed_tokens.weight.dtype
+        # A whole prompt's causal attention on AMX tiles, straight from the fused Q/K/V rows
+        # (bfloat16, a CPU with AMX): 0.56 against 1.0 ms per layer for a 517-token prompt with
+        # torch's flash attention on 2 threads (Intel Xeon family 6 model 167).
+        self.tiles = (
+            self.kernel is not None
+            and self.dtype == torch.bfloat16
+            and self.head_dim in (32, 64, 128)
+            and self.kernel.has_amx()
+            and amx_allowed()
+        )
         self.embed = inner.embed_tokens.weight.detach().to(self.dtype)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
@@ -287,6 +299,14 @@ class LeanLlama:
                     k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
                 v = qkv[:, nh + nkv :]
                 keys, values = seg.cache.update(k, v, i)
+                if masks[j] is None and self.tiles and kernel is not None:
+                    # whole prompts: straight from their rows (rotated in place above)
+                    rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
+                    starts = torch.arange(0, counts[j] + 1, new, dtype=torch.long)
+                    parts.append(
+                        kernel.packed_attention(rows_qkv, starts, nh, self.scale, True, nkv, True)
+                    )
+                    continue
                 a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
                 parts.append(a.reshape(counts[j], nh * hd))
             parts += filler
