@@ -160,3 +160,15 @@ def test_the_op_lets_other_python_threads_run() -> None:
     assert longest < alone / 2, (
         f"this thread stood still {longest * 1e3:.0f} ms of {alone * 1e3:.0f}"
     )
+
+
+def test_amx_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LENBATCH_AMX` is auto (the tiles where present) or off; anything else is an error that
+    names the variable, not a silent default."""
+    monkeypatch.delenv("LENBATCH_AMX", raising=False)
+    assert da.amx_allowed()
+    monkeypatch.setenv("LENBATCH_AMX", "off")
+    assert not da.amx_allowed()
+    monkeypatch.setenv("LENBATCH_AMX", "yes")
+    with pytest.raises(ValueError, match="LENBATCH_AMX"):
+        da.amx_allowed()
