@@ -299,9 +299,13 @@ class LeanLlama:
                     k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
                 v = qkv[:, nh + nkv :]
                 keys, values = seg.cache.update(k, v, i)
-                if masks[j] is None and self.tiles and kernel is not None:
-                    # whole prompts: straight from their rows (rotated in place above)
-                    rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
+                rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
+                if (
+                    masks[j] is None
+                    and self.tiles
+                    and kernel is not None
+                    and rows_qkv.is_contiguous()
+                ):  # whole prompts: straight from their rows (rotated in place above)
                     starts = torch.arange(0, counts[j] + 1, new, dtype=torch.long)
                     parts.append(
                         kernel.packed_attention(rows_qkv, starts, nh, self.scale, True, nkv, True)
