@@ -1,7 +1,7 @@
 """Token agreement of lenbatch's batched greedy decoding with fp32 `transformers.generate()`.
 
     bench/run.py bf16-agreement -- --model smollm2 --prompts 24 --max-new 32 \\
-        --dtype bfloat16 [--quantize int4 [--switch-rows 1024]] [--lean off] \\
+        --dtype bfloat16 [--quantize int4 [--switch-rows 1024]] [--lean off] [--alone] \\
         [--out bench/results/llm_bf16_agreement.md] [--table bench/results/llm_agreement.md]
 
 The reference is `model.generate()` in float32 on each prompt alone (greedy). lenbatch runs
@@ -10,6 +10,10 @@ KV cache) with the model in `--dtype`. Reported: sequences identical to the refe
 share of generated positions that hold the reference's token, and the mean length of the common
 prefix (greedy decoding diverges for good after its first different token). With
 `--dtype float32` the figure must be 100 % (the equality the tests assert on tiny models).
+
+`--alone` decodes each prompt by itself through the runner instead (no batching): every prefill
+is a whole unpadded prompt, the shape whose attention runs on AMX tiles in bf16 where the CPU
+has them (`LENBATCH_AMX=off` for torch's attention), so that path's agreement is measured.
 
 `--quantize int8|int4` runs the lean path's weight-only kernels; `--switch-rows N` makes them run
 up to N rows per product (default: the switch point measured on this processor, so a batched
@@ -67,6 +71,28 @@ async def _engine_tokens(runner: Any, prompts: list[list[int]], max_new: int) ->
         return list(await asyncio.gather(*(one(s) for s in seqs)))
     finally:
         await engine.stop()
+
+
+def _alone_tokens(runner: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy tokens of each prompt alone through `runner.forward`: a whole-prompt prefill,
+    then one decode step per token, as `tests/integration/test_lean_llama.py` runs them."""
+    out = []
+    for prompt in prompts:
+        x = torch.tensor([prompt])
+        mask = torch.ones_like(x)
+        cache = runner.new_cache()
+        logits = runner.forward(x, mask, torch.arange(len(prompt))[None], cache)
+        tokens: list[int] = []
+        for i in range(max_new):
+            tok = int(logits.argmax(-1))
+            tokens.append(tok)
+            if tok in runner.eos_token_ids:
+                break
+            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
+            pos = torch.tensor([[len(prompt) + i]])
+            logits = runner.forward(torch.tensor([[tok]]), mask, pos, cache)
+        out.append(tokens)
+    return out
 
 
 def _cached_reference(
@@ -139,6 +165,7 @@ def main() -> int:
     p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--switch-rows", type=int, help="quantized kernels up to this many rows")
     p.add_argument("--lean", default="auto", choices=("auto", "off"))
+    p.add_argument("--alone", action="store_true", help="each prompt alone, not batched")
     p.add_argument("--out", type=Path)
     p.add_argument("--table", type=Path, help="append one row to this markdown table")
     p.add_argument("--reference-cache", type=Path, help="reuse the fp32 reference (JSON file)")
@@ -158,7 +185,11 @@ def main() -> int:
     if args.lean == "off":
         options["lean"] = False
     runner = CausalLMRunner(ref.folder, **load, dtype=args.dtype, **options)
-    got = asyncio.run(_engine_tokens(runner, prompts, args.max_new))
+    if args.alone:
+        got = _alone_tokens(runner, prompts, args.max_new)
+    else:
+        got = asyncio.run(_engine_tokens(runner, prompts, args.max_new))
+    how = "each prompt alone" if args.alone else "batched"
     same = sum(g == e for g, e in zip(got, expected, strict=True))
     positions = sum(max(len(g), len(e)) for g, e in zip(got, expected, strict=True))
     agree = sum(
@@ -166,7 +197,7 @@ def main() -> int:
     )
     prefix = [_common_prefix(g, e) for g, e in zip(got, expected, strict=True)]
     summary = (
-        f"{args.model} in {runner.precision.name} (batched, lenbatch) vs float32 generate() "
+        f"{args.model} in {runner.precision.name} ({how}, lenbatch) vs float32 generate() "
         f"alone, greedy, {len(prompts)} GSM8K prompts x up to {args.max_new} new tokens: "
         f"{same}/{len(prompts)} sequences identical; {agree}/{positions} generated positions "
         f"agree ({100 * agree / positions:.1f} %); mean common prefix "
