@@ -73,28 +73,6 @@ async def _engine_tokens(runner: Any, prompts: list[list[int]], max_new: int) ->
         await engine.stop()
 
 
-def _alone_tokens(runner: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Greedy tokens of each prompt alone through `runner.forward`: a whole-prompt prefill,
-    then one decode step per token, as `tests/integration/test_lean_llama.py` runs them."""
-    out = []
-    for prompt in prompts:
-        x = torch.tensor([prompt])
-        mask = torch.ones_like(x)
-        cache = runner.new_cache()
-        logits = runner.forward(x, mask, torch.arange(len(prompt))[None], cache)
-        tokens: list[int] = []
-        for i in range(max_new):
-            tok = int(logits.argmax(-1))
-            tokens.append(tok)
-            if tok in runner.eos_token_ids:
-                break
-            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
-            pos = torch.tensor([[len(prompt) + i]])
-            logits = runner.forward(torch.tensor([[tok]]), mask, pos, cache)
-        out.append(tokens)
-    return out
-
-
 def _cached_reference(
     path: Path | None, runner: Any, prompts: list[list[int]], max_new: int
 ) -> list[list[int]]:
@@ -186,7 +164,7 @@ def main() -> int:
         options["lean"] = False
     runner = CausalLMRunner(ref.folder, **load, dtype=args.dtype, **options)
     if args.alone:
-        got = _alone_tokens(runner, prompts, args.max_new)
+        got = [runner.greedy_alone(p, args.max_new) for p in prompts]
     else:
         got = asyncio.run(_engine_tokens(runner, prompts, args.max_new))
     how = "each prompt alone" if args.alone else "batched"

@@ -29,24 +29,6 @@ from lenbatch.runners.weightonly import (
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
 
-def _greedy(runner: CausalLMRunner, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of one prompt through `runner.forward` (the path the engine calls)."""
-    x = torch.tensor([prompt])
-    mask = torch.ones_like(x)
-    cache = runner.new_cache()
-    logits = runner.forward(x, mask, torch.arange(len(prompt))[None], cache)
-    out: list[int] = []
-    for i in range(n):
-        tok = int(logits.argmax(-1))
-        out.append(tok)
-        if tok in runner.eos_token_ids:
-            break
-        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
-        pos = torch.tensor([[len(prompt) + i]])
-        logits = runner.forward(torch.tensor([[tok]]), mask, pos, cache)
-    return out
-
-
 def test_llama_runs_lean_and_gpt2_does_not(llama_runner: Any, gpt2_runner: Any) -> None:
     """The tiny Llama gets the lean path by default; GPT-2 keeps transformers' forward."""
     assert llama_runner.lean is not None
@@ -60,7 +42,7 @@ def test_lean_fp32_greedy_equals_generate(tiny_llama_dir: Path, pack: bool) -> N
     runner = CausalLMRunner(tiny_llama_dir, name="tiny-llama", pack=pack)
     assert runner.lean is not None and runner.lean.plan.pack is pack
     for prompt in runner.tokenize(PROMPTS):
-        assert _greedy(runner, prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
+        assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
 
 
 @pytest.mark.slow
@@ -268,4 +250,4 @@ def test_whole_prompts_on_amx_tiles_match_torch_attention(
     torch.testing.assert_close(tiles, torch_, atol=0.03 * scale, rtol=0)
     assert torch.equal(tiles.argmax(-1), torch_.argmax(-1))
     prompt = ids[0].tolist()
-    assert _greedy(runners["auto"], prompt, 8) == _greedy(runners["off"], prompt, 8)
+    assert runners["auto"].greedy_alone(prompt, 8) == runners["off"].greedy_alone(prompt, 8)

@@ -263,6 +263,25 @@ class CausalLMRunner:
             return self.lean.forward(input_ids, mask, positions, cache)
         return last_logits(self.model, input_ids, mask, positions, cache)
 
+    def greedy_alone(self, prompt: list[int], max_new: int) -> list[int]:
+        """Greedy tokens of one prompt decoded by itself through `forward` (a whole-prompt
+        prefill, then one step per token; stops at an end-of-sequence token): the reference
+        shape that tests and the agreement bench compare against `generate()`."""
+        x = torch.tensor([prompt])
+        mask = torch.ones_like(x)
+        cache = self.new_cache()
+        logits = self.forward(x, mask, torch.arange(len(prompt))[None], cache)
+        tokens: list[int] = []
+        for i in range(max_new):
+            tok = int(logits.argmax(-1))
+            tokens.append(tok)
+            if tok in self.eos_token_ids:
+                break
+            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
+            pos = torch.tensor([[len(prompt) + i]])
+            logits = self.forward(torch.tensor([[tok]]), mask, pos, cache)
+        return tokens
+
     @property
     def mixes(self) -> bool:
         """True when one forward pass can carry several segments (`forward_segments`): the
