@@ -70,6 +70,30 @@ def test_cost_model_without_data_uses_its_prior_and_stays_non_negative() -> None
     assert model.describe()["observed_batches"] == 50
 
 
+def test_a_measured_profile_outweighs_a_fresh_servers_first_batches() -> None:
+    """A fresh server's first batches: ten single rows of a trickle at twice the profile's
+    time (cold weights), then two full batches at 2.5x while a burst's requests were being
+    parsed on the same cores. Weighed as a guess, the fit takes that for the per-token cost
+    and predicts full batches 1.3x slower than the profile (the live server did so, and
+    refused a burst it then had time for); weighed as a measured profile
+    (`PROFILE_PRIOR_WEIGHT`), within 10 % of it. A weight of 0 is refused."""
+    from lenbatch.core.costfit import PROFILE_PRIOR_WEIGHT
+
+    profile = CostCoefficients(2.5e-3, 2.8e-5, 7.8e-8)  # calibrated on a 2-core Intel Xeon
+    guess = OnlineCostModel(profile)
+    measured = OnlineCostModel(profile, prior_weight=PROFILE_PRIOR_WEIGHT)
+    for model in (guess, measured):
+        for n in (8, 32, 64, 16, 24, 48, 40, 12, 56, 20):
+            model.observe(1, n, 2 * profile.seconds(1, n))
+        for b, n in ((28, 73), (32, 73)):
+            model.observe(b, n, 2.5 * profile.seconds(b, n))
+    full = profile.seconds(32, 64)
+    assert measured.seconds(32, 64) == pytest.approx(full, rel=0.1)
+    assert guess.seconds(32, 64) > 1.25 * full
+    with pytest.raises(ValueError, match="weight"):
+        OnlineCostModel(profile, prior_weight=0)
+
+
 def test_cost_model_from_profile_json() -> None:
     """A profile's const (+ calibrated batch overhead), per_token and per_token_sq seed it."""
     co = CostCoefficients.from_profile(

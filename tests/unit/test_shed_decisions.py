@@ -153,22 +153,46 @@ def test_shedding_follows_what_the_last_batches_measured() -> None:
     assert st.drift == pytest.approx(1.0) and st.queue_drift == pytest.approx(1.0)
     assert st.admit([60], 2.0, q, cfg, 1.0) is None
     for _ in range(10):
-        st.observe_batch(1, 8, 60, 2 * st.cost.coefficients.seconds(8, 60))
+        st.observe_batch(1, 16, 60, 2 * st.cost.coefficients.seconds(16, 60))
     assert st.drift > 1.8 and 1.2 < st.queue_drift < 1.5
     for _ in range(30):
-        st.observe_batch(1, 8, 60, 2 * st.cost.coefficients.seconds(8, 60))
+        st.observe_batch(1, 16, 60, 2 * st.cost.coefficients.seconds(16, 60))
     assert st.queue_drift > 1.8
     refusal = st.admit([60], 2.0, q, cfg, 1.0)
     assert refusal is not None
     assert st.decisions.decisions()[-1].drift == pytest.approx(st.drift)
     # back at the speed of the fit of the moment (which has learned some of the slowdown)
     for _ in range(80):
-        st.observe_batch(1, 8, 60, st.cost.coefficients.seconds(8, 60))
+        st.observe_batch(1, 16, 60, st.cost.coefficients.seconds(16, 60))
     assert st.drift == pytest.approx(1.0, abs=0.05)
     assert st.queue_drift == pytest.approx(1.0, abs=0.05)
     # one stalled batch (a pause of the process) moves it by a bounded factor only
-    st.observe_batch(1, 8, 60, 100.0)
+    st.observe_batch(1, 16, 60, 100.0)
     assert st.drift < 4.0**0.2 * 1.06
+
+
+def test_a_trickle_of_single_rows_leaves_the_queue_drain_speed_alone() -> None:
+    """Single-row batches running twice as slow as the fit (weights gone cold between sparse
+    requests) move the five-batch `drift`, which prices the work in flight, but not
+    `queue_drift`: a queue drains in full batches, and only batches of at least half their
+    lane's cap say how fast. So a burst after a trickle is admitted on the fit's drain time;
+    full batches running slow still raise it."""
+    cfg = _cfg()
+    st = _state(cfg, slo=(1.0,))
+    assert st.drain_rows[1] == 16  # lane 17-32: 32 rows (8192 tokens / 32 allow 256)
+    q = Queues(cfg)
+    for _ in range(40):
+        st.observe_batch(1, 1, 30, 2 * st.cost.coefficients.seconds(1, 30))
+    assert st.drift > 1.8 and st.queue_drift == pytest.approx(1.0)
+    for _ in range(32):
+        _arrive(q, st, 60, 1.0)  # 0.6 s of queued work per the model, due in 1 s
+    assert st.admit([60], 2.0, q, cfg, 1.0) is None
+    for _ in range(5):
+        st.observe_batch(1, 15, 30, 2 * st.cost.coefficients.seconds(15, 30))
+    assert st.queue_drift == pytest.approx(1.0)  # 15 rows: not yet a full batch
+    for _ in range(10):
+        st.observe_batch(1, 16, 30, 2 * st.cost.coefficients.seconds(16, 30))
+    assert 1.2 < st.queue_drift < 1.5
 
 
 def test_request_side_cpu_counts_in_shedding_and_not_in_the_learned_batch_cost() -> None:

@@ -47,7 +47,7 @@ from typing import Any
 
 from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
-from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
+from lenbatch.core.costfit import PROFILE_PRIOR_WEIGHT, CostCoefficients, OnlineCostModel
 from lenbatch.core.decisions import DecisionLog
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
@@ -78,7 +78,10 @@ def build_state(
     """The state an engine (or simulated run) starts with: an online cost model seeded from
     `prior` (None: the generic prior), the SLO given or derived from it, and checked against
     the longest admissible input (ValueError, saying why, when no batch could meet it)."""
-    model = OnlineCostModel(prior, ac.cost_window)
+    if prior is not None:  # measured on this processor: worth more than a few batches
+        model = OnlineCostModel(prior, ac.cost_window, prior_weight=PROFILE_PRIOR_WEIGHT)
+    else:
+        model = OnlineCostModel(None, ac.cost_window)
     slo = ac.slo_ms / 1000 if ac.slo_ms is not None else derive_slo(model, longest)
     policy = AdaptivePolicy.from_config(ac, slo)
     check_slo(policy, model, longest)
@@ -130,6 +133,12 @@ class AdaptiveState(Shedding):
         self.wait = [0.0] * n  # the current fill window per lane (s), for /stats
         self.target = [1] * n  # the current target batch per lane
         self.merges = {}
+        # rows from which a lane's batch is "full" for `queue_drift`: half the batch its
+        # queue drains in (row cap, or the token budget at the lane's longest)
+        budget = max(1, cfg.max_batch_tokens)
+        self.drain_rows = [
+            max(1, min(p.max_batch, budget // max(1, p.pad_to or p.upper)) // 2) for p in cfg.lanes
+        ]
 
     # ------------------------------------------------------------------ what the shell reports
 
@@ -188,7 +197,14 @@ class AdaptiveState(Shedding):
             # over dozens of batches, the shedding decisions at once
             ratio = min(_DRIFT_MAX, max(1 / _DRIFT_MAX, seconds / predicted))
             self._log_drift += _DRIFT_ALPHA * (math.log(ratio) - self._log_drift)
-            self._log_queue_drift += _QUEUE_DRIFT_ALPHA * (math.log(ratio) - self._log_queue_drift)
+            full = not 0 <= lane < len(self.drain_rows) or size >= self.drain_rows[lane]
+            if full:
+                # a queue drains in full batches: only they say how fast it will. A trickle's
+                # single rows run on weights gone cold and pay the per-call overheads, up to
+                # twice their share of the fit; counted here, they made admission refuse
+                # bursts that full batches then served in time.
+                log_ratio = math.log(ratio)
+                self._log_queue_drift += _QUEUE_DRIFT_ALPHA * (log_ratio - self._log_queue_drift)
         self.estimates.observe_batch(lane, size, padded_len, seconds)
 
     @property
@@ -199,9 +215,10 @@ class AdaptiveState(Shedding):
 
     @property
     def queue_drift(self) -> float:
-        """`drift` over the last ~20 batches: what admission scales the queued work by. The
-        work in flight runs under the conditions of the moment (a burst's flood of requests
-        slows it); a queue drains over the next second, mostly after the flood."""
+        """`drift` over the last ~20 full batches (at least half their lane's cap): what
+        admission scales the queued work by. The work in flight runs under the conditions of
+        the moment (a burst's flood of requests slows it); a queue drains over the next
+        second, mostly after the flood, and in full batches."""
         return math.exp(self._log_queue_drift)
 
     # ------------------------------------------------------------------ the decision

@@ -7,8 +7,9 @@ B is the batch size and L the padded length (the `profile` form without its per-
 is zero on every profile measured so far). The fit is weighted least squares over a sliding
 window of the most recent batches, each weighted by 1/seconds so that a 20 ms batch counts as
 much as a 2 s one (the error that matters is relative). A prior (a profile's coefficients, or a
-generic CPU guess when there is none) enters as a few pseudo-observations at typical shapes:
-it decides while there is little data and fades as the window fills. Coefficients are kept
+generic CPU guess when there is none) enters as pseudo-observations at typical shapes, worth
+`prior_weight` batches in all: it decides while there is little data and fades as the window
+fills. Coefficients are kept
 non-negative (a term fitted negative is dropped and the rest refitted), so predictions never
 fall as a batch grows. Pure: numpy only, no clock.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GENERIC_PRIOR", "CostCoefficients", "OnlineCostModel"]
+__all__ = ["GENERIC_PRIOR", "PROFILE_PRIOR_WEIGHT", "CostCoefficients", "OnlineCostModel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +54,37 @@ class CostCoefficients:
 # MiniLM-sized encoder on a small CPU: ~20 ms per call and ~4k padded tokens/s. Only used when
 # no profile is given; the window replaces it within a few dozen batches.
 GENERIC_PRIOR = CostCoefficients(0.02, 2.5e-4, 0.0)
-# Shapes the prior is expressed at (rows, padded length), and how many real batches it weighs.
+# Shapes the prior is expressed at (rows, padded length), and how many real batches it weighs
+# by default (a guess: a few batches overrule it).
 _PRIOR_SHAPES = ((1, 16), (1, 128), (8, 64), (16, 128), (4, 256))
 _PRIOR_WEIGHT = 4.0
+# What a profile measured on this processor weighs (`core.adaptive.build_state`): a start-up
+# calibration times 16 shapes up to full batches, where a server's first batches are a
+# trickle's single rows. Weighed as 4, a dozen of those rows (cold, up to twice the profile)
+# moved the per-token cost 1.6x before the first burst; as 32, the first bursts' drain time
+# was predicted at 0.9-0.93x of what it took instead of 1.12-1.16x (Intel Xeon family 6
+# model 167, 2 cores; bench/results/adaptive-goodput/bursts-drain.md, with the figures).
+PROFILE_PRIOR_WEIGHT = 32.0
 
 
 class OnlineCostModel:
     """A sliding-window fit of `a + b*B*L + c*B*L^2` to observed batch timings."""
 
-    __slots__ = ("_fit", "_fitted_at", "_obs", "observed", "prior", "source")
+    __slots__ = ("_fit", "_fitted_at", "_obs", "_prior_weight", "observed", "prior", "source")
 
-    def __init__(self, prior: CostCoefficients | None = None, window: int = 256) -> None:
+    def __init__(
+        self,
+        prior: CostCoefficients | None = None,
+        window: int = 256,
+        prior_weight: float = _PRIOR_WEIGHT,
+    ) -> None:
         if window < 3:
             raise ValueError(f"the cost model's window needs at least 3 batches, got {window}")
+        if not prior_weight > 0:
+            raise ValueError(f"the prior's weight must be > 0 batches, got {prior_weight}")
         self.source = "profile" if prior is not None else "generic prior"
         self.prior = prior or GENERIC_PRIOR
+        self._prior_weight = prior_weight
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._fit = self.prior
         self._fitted_at = 0  # `observed` when the fit was last computed
@@ -122,7 +139,7 @@ class OnlineCostModel:
         # The prior fades as the window fills (to a trace that keeps a degenerate window,
         # e.g. one shape only, from leaving the other terms undetermined).
         fill = len(self._obs) / (self._obs.maxlen or len(self._obs) or 1)
-        w_prior = _PRIOR_WEIGHT * max(0.02, 1.0 - fill) / len(_PRIOR_SHAPES)
+        w_prior = self._prior_weight * max(0.02, 1.0 - fill) / len(_PRIOR_SHAPES)
         rows += [(b, n, self.prior.seconds(b, n), w_prior) for b, n in _PRIOR_SHAPES]
         data = np.asarray(rows, dtype=np.float64)
         bat, pad, y, w = data[:, 0], data[:, 1], data[:, 2], data[:, 3]
