@@ -513,6 +513,15 @@ script_recipe(
     "--rounds", "4",
 )  # fmt: skip
 script_recipe(
+    "bursts-drain", "bursts_drain.py",
+    "adaptive's predicted drain of each burst's queue against the batch log's, offline "
+    "(adaptive-goodput/bursts-drain.md).",
+    "--profile", "bench/results/adaptive-goodput/bursts-drain/profile.json",
+    "bench/results/adaptive-goodput/bursts-drain/b183.log",
+    "bench/results/adaptive-goodput/bursts-drain/d183.log",
+    "bench/results/adaptive-goodput/bursts-drain/b230.log",
+)  # fmt: skip
+script_recipe(
     "memory-growth", "memory_growth.py",
     "RSS of the runner over batches of varied shapes, in-process (capacity.md).",
     "--batches", "400",
