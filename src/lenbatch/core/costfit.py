@@ -9,9 +9,8 @@ window of the most recent batches, each weighted by 1/seconds so that a 20 ms ba
 much as a 2 s one (the error that matters is relative). A prior (a profile's coefficients, or a
 generic CPU guess when there is none) enters as pseudo-observations at typical shapes, worth
 `prior_weight` batches in all: it decides while there is little data and fades as the window
-fills. Coefficients are kept
-non-negative (a term fitted negative is dropped and the rest refitted), so predictions never
-fall as a batch grows. Pure: numpy only, no clock.
+fills. Coefficients are kept non-negative (a term fitted negative is dropped and the rest
+refitted), so predictions never fall as a batch grows. Pure: numpy only, no clock.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ _PRIOR_WEIGHT = 4.0
 # calibration times 16 shapes up to full batches, where a server's first batches are a
 # trickle's single rows. Weighed as 4, a dozen of those rows (cold, up to twice the profile)
 # moved the per-token cost 1.6x before the first burst; as 32, the first bursts' drain time
-# was predicted at 0.9-0.93x of what it took instead of 1.12-1.16x (Intel Xeon family 6
-# model 167, 2 cores; bench/results/adaptive-goodput/bursts-drain.md, with the figures).
+# was predicted at 0.86-1.16x of what it took instead of 1.08-1.33x (Intel Xeon family 6
+# model 167, 2 cores; `bench/run.py bursts-drain`, bench/results/adaptive-goodput/).
 PROFILE_PRIOR_WEIGHT = 32.0
 
 
