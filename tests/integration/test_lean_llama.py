@@ -189,20 +189,68 @@ def test_only_a_layers_prepacked_weights_keep_a_plain_copy(
     assert plain.lean is not None and not isinstance(plain.lean.layers[0].o, LargeRowsLinear)
 
 
-def test_int4_keeps_the_output_matrix_in_int8(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("ops", ["auto", "sdpa"])
+def test_int4_keeps_the_output_matrix_in_int8(
+    tiny_llama_dir: Path, ops: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """int4 quantizes the layers' linears, the output matrix only to int8 (an 8-bit tensor in
-    a Q4 GGUF); bfloat16 compute keeps its dense weights in bfloat16."""
-    from lenbatch.runners.weightonly import SwitchLinear
+    a Q4 GGUF): in float32 through the C++ op's groups of 32 where this CPU builds it, else
+    (forced off) torch's kernels; bfloat16 compute keeps its dense weights in bfloat16."""
+    from lenbatch.runners import decode_attention
+    from lenbatch.runners.weightonly import GroupLinear, SwitchLinear
 
+    monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", ops)
+    monkeypatch.setattr(decode_attention, "_loaded", {})
+    grouped = ops == "auto" and decode_attention.decode_attention_op() is not None
     r = CausalLMRunner(tiny_llama_dir, quantization="int4", quant_switch_rows=8, pack=False)
     assert r.lean is not None
     layer = r.lean.layers[0].gate_up
-    assert isinstance(layer, SwitchLinear) and isinstance(layer.small, Int4Linear)
     head = r.lean.lm_head
-    assert isinstance(head, SwitchLinear) and isinstance(head.small, Int8Linear)
+    assert isinstance(layer, SwitchLinear) and isinstance(head, SwitchLinear)
+    if grouped:
+        assert isinstance(layer.small, GroupLinear) and layer.small.bits == 4
+        assert isinstance(head.small, GroupLinear) and head.small.bits == 8
+    else:
+        assert isinstance(layer.small, Int4Linear) and isinstance(head.small, Int8Linear)
     bf = CausalLMRunner(tiny_llama_dir, dtype="bfloat16", quantization="int8", pack=False)
     assert bf.lean is not None and bf.lean.embed.dtype == torch.bfloat16
     assert next(bf.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(
+    "avx512f" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
+    reason="float32 group-wise products run in the C++ op, built only with AVX-512",
+)
+def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A tiny Llama whose layer weights lie on Q4_1 grids and whose output matrix on Q8_0
+    grids (what a Q4_1 GGUF such as SmolLM2's dequantizes to): `--dtype float32 --quantize
+    int4`, forced on at every row count, decodes greedily token for token as transformers'
+    `generate()` on those weights."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from lenbatch.runners.weightonly import GroupLinear, group_op
+
+    op = group_op()
+    assert op is not None
+    model = LlamaForCausalLM.from_pretrained(str(tiny_llama_dir))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.copy_(GroupLinear(param, 4, op).dequantized())
+            elif name == "lm_head.weight":
+                param.copy_(GroupLinear(param, 8, op).dequantized())
+    folder = tmp_path / "llama-q4"
+    model.save_pretrained(str(folder))
+    for f in tiny_llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) and not (folder / f.name).exists():
+            shutil.copy(f, folder / f.name)
+    runner = CausalLMRunner(folder, name="tiny-q4", quantization="int4", quant_switch_rows=1024)
+    assert runner.lean is not None
+    assert isinstance(runner.lean.layers[0].qkv.small, GroupLinear)  # type: ignore[attr-defined]
+    for prompt in runner.tokenize(PROMPTS):
+        assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
 
 
 @pytest.mark.slow

@@ -18,9 +18,11 @@ On a CPU with the AMX tile unit (a Sapphire Rapids class Xeon: `amx_bf16` in `/p
 no AMD processor has one) the build also holds a bfloat16 `packed_attention` on the tiles, used
 where Linux grants the process the tile registers; `LENBATCH_AMX=off` keeps it on AVX-512.
 
-The same build holds the lean Llama path's fused passes (`add_rms_norm`, `rope`, `silu_mul`)
-and the packed encoder's attention (`packed_attention`: each sequence of a packed batch
-attends to its own tokens, straight from the fused Q/K/V rows; `runners/packed.py`).
+The same build holds the lean Llama path's fused passes (`add_rms_norm`, `rope`, `silu_mul`),
+its weight-only products in groups of 32 with float32 activations (`group_linear`, behind
+`runners/weightonly.py`'s `GroupLinear`) and the packed encoder's attention
+(`packed_attention`: each sequence of a packed batch attends to its own tokens, straight from
+the fused Q/K/V rows; `runners/packed.py`).
 """
 
 from __future__ import annotations
@@ -110,10 +112,10 @@ def _build() -> Any:
 def decode_attention_op() -> Any | None:
     """The built op (`op.decode_attention(q, keys, values, mask, scale)`, and
     `op.add_rms_norm(h, delta, weight, eps)`, `op.rope(x, cos, sin, heads)`,
-    `op.silu_mul(gu)`, and for packed encoders `op.packed_attention(qkv, offsets, heads,
-    scale, use_amx=True)`, `op.has_amx()`), or None where it
-    cannot be used here (logged once). Builds on the first call (tens of seconds), then loads
-    from the venv's cache."""
+    `op.silu_mul(gu)`, `op.group_linear(x, q, scale, lo)`, and for packed encoders
+    `op.packed_attention(qkv, offsets, heads, scale, use_amx=True)`, `op.has_amx()`), or None
+    where it cannot be used here (logged once). Builds on the first call (tens of seconds), then
+    loads from the venv's cache."""
     with _lock:
         if "op" in _loaded:
             return _loaded["op"]
