@@ -1,7 +1,7 @@
 """One decode step through `CausalLMRunner` + the KV batch, per runner configuration and row count.
 
     bench/llm_decode_step.py --model smollm2 --rows 1,8,32 --cols 310 --steps 30 \\
-        [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4] \\
+        [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4,...] \\
         [--out bench/results/llm_decode_step.md]
     bench/llm_decode_step.py --configs lean-bf16 --rows 8,24,32 --mixed 1x64,2x135 \\
         --out bench/results/llm_mixed_step.md
@@ -48,6 +48,7 @@ DEFAULT_CONFIGS = (
     "lean-bf16",
     "lean-bf16-int8",
     "lean-bf16-int4",
+    "lean-fp32-int4",
 )
 CONFIGS = {
     "hf-fp32": {"dtype": "float32", "lean": False},
@@ -99,9 +100,7 @@ def main() -> int:
     p.add_argument("--rows", default="1,8,32")
     p.add_argument("--cols", type=int, default=310)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument(
-        "--configs", default="hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4"
-    )
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, help="write the table (markdown) here")
     p.add_argument(

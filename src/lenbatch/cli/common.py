@@ -96,8 +96,9 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["none", "int8", "int4"],
         help="weight quantization, apart from --dtype (default none): causal LMs run int8 or "
-        "int4 weight-only products at small row counts; encoders implement none yet, and a "
-        "runner that does not implement the one asked for refuses to start",
+        "int4 weight-only products at small row counts (with --dtype float32, int4 runs a Q4_1 "
+        "GGUF's own weights exactly); encoders implement none yet, and a runner that does not "
+        "implement the one asked for refuses to start",
     )
 
 

@@ -65,8 +65,10 @@ class ModelConfig(BaseModel):
     quantization: Quantization = Quantization.NONE
     """Weight quantization, apart from `dtype`: none, int8 or int4. A runner that does not
     implement the one asked for refuses to start. Causal LMs on the lean Llama path (SmolLM2)
-    implement int8 (per channel) and int4 (group 32), weight-only, up to the row count where
-    they beat the dense kernel on this processor (measured at load); encoders implement none."""
+    implement int8 and int4 (groups of 32), weight-only, up to the row count where they beat
+    the dense kernel on this processor (measured at load): in float32, lenbatch's own loop with
+    GGUF's Q8_0 / Q4_1 blocks (a Q4_1 GGUF then runs its shipped weights exactly); in bfloat16,
+    torch's kernels (int8 per channel). Encoders implement none."""
     cost_model: str | None = None
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
     (the one measured on this processor: the user's cache of self-calibrated models, then

@@ -421,11 +421,22 @@ inline void group_tile(const float* x, int64_t in, const uint8_t* q, const float
       __m512 w0, w1;
       unpack_group<Q4>(q + (o + u) * qrow, g, w0, w1);
       const __m512 s = _mm512_set1_ps(sc[(o + u) * nb + g]);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * in + g * kGroup;
-        __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xr));
-        t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), t);
-        acc[u][r] = _mm512_fmadd_ps(t, s, acc[u][r]);
+      if constexpr (R == 1) {
+        // One row: the group's dot product first, then one scaled add into the accumulator
+        // (a single dependent operation a group).
+        __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + g * kGroup));
+        t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * kGroup + 16), t);
+        acc[u][0] = _mm512_fmadd_ps(t, s, acc[u][0]);
+      } else {
+        // Several rows: scale the weights once, then two fused multiply-adds a row (8 rows
+        // and more: 9 % faster than the one-row form on the Xeon above).
+        w0 = _mm512_mul_ps(w0, s);
+        w1 = _mm512_mul_ps(w1, s);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * in + g * kGroup;
+          acc[u][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[u][r]);
+          acc[u][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[u][r]);
+        }
       }
     }
   }
