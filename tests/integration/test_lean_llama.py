@@ -210,8 +210,10 @@ def test_int4_keeps_the_output_matrix_in_int8(
     if grouped:
         assert isinstance(layer.small, GroupLinear) and layer.small.bits == 4
         assert isinstance(head.small, GroupLinear) and head.small.bits == 8
+        assert "C++ loop over groups of 32" in r.lean.describe()
     else:
         assert isinstance(layer.small, Int4Linear) and isinstance(head.small, Int8Linear)
+        assert "torch's Int4Linear" in r.lean.describe()
     bf = CausalLMRunner(tiny_llama_dir, dtype="bfloat16", quantization="int8", pack=False)
     assert bf.lean is not None and bf.lean.embed.dtype == torch.bfloat16
     assert next(bf.model.parameters()).dtype == torch.bfloat16

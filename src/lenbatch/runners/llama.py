@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.linears import rounded_tokens
-from lenbatch.runners.weightonly import LinearPlan, RowLinear, make_linear
+from lenbatch.runners.weightonly import GroupLinear, LinearPlan, RowLinear, make_linear
 
 __all__ = ["LeanLlama", "lean_unsupported"]
 
@@ -159,8 +159,18 @@ class LeanLlama:
         self.sin = emb.sin().to(device=device, dtype=self.dtype)
 
     def describe(self) -> str:
-        """One line for the start-up log: how the linears run."""
-        return f"lean Llama path: {len(self.layers)} layers, linears {self.plan.describe()}"
+        """One line for the start-up log: how the linears run, and which kernel runs the
+        quantized products (lenbatch's group-of-32 loop or torch's)."""
+        line = f"lean Llama path: {len(self.layers)} layers, linears {self.plan.describe()}"
+        small = getattr(self.layers[0].gate_up, "small", None) if self.layers else None
+        if isinstance(small, GroupLinear):
+            line += (
+                " (quantized products: lenbatch's C++ loop over groups of 32 in float32, GGUF "
+                "Q4_1 / Q8_0 blocks; a Q4_1 GGUF's own weights)"
+            )
+        elif small is not None:
+            line += f" (quantized products: torch's {type(small).__name__})"
+        return line
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
