@@ -10,6 +10,7 @@ import zipfile
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -52,12 +53,21 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn serving an engine on 127.0.0.1, in a background thread."""
 
-    def __init__(self, engine: Engine, settings: Settings | None = None) -> None:
+    def __init__(self, engine: Engine, settings: Settings | None = None, http: Any = None) -> None:
+        """`http`: uvicorn's protocol (default: the one `serve` runs, which stamps each
+        request's read time)."""
+        from lenbatch.serving.http import stamping_protocol
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = create_app(engine, settings)
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            http=http or stamping_protocol(),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

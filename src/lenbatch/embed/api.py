@@ -26,6 +26,7 @@ from lenbatch.serving.http import (
     check_model,
     engine_app,
     hot_headers,
+    received_at,
     serve_app,
     watched,
 )
@@ -115,13 +116,13 @@ def create_app(
         x_priority: Annotated[int | None, Header(description=_PRIORITY_DOC)] = None,
     ) -> Response:
         """OpenAI-compatible embeddings; each input is batched by its own length."""
-        arrival = engine.clock.now()
+        arrival = received_at(request.scope, engine.clock)
         return await answer(body, x_request_timeout, x_priority, request.receive, arrival)
 
     async def hot_embeddings(scope: Scope, raw: bytes, receive: Receive) -> Response | None:
         # The same route for the calls it can read without FastAPI: a JSON body that
         # validates and plain header values; anything else goes on to the route above.
-        arrival = engine.clock.now()
+        arrival = received_at(scope, engine.clock)
         head = hot_headers(scope)
         if head is None:
             return None

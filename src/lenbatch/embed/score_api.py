@@ -40,7 +40,13 @@ from lenbatch.embed.score_protocol import (
     probabilities,
 )
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import check_model, engine_app, serve_app, unless_disconnected
+from lenbatch.serving.http import (
+    check_model,
+    engine_app,
+    received_at,
+    serve_app,
+    unless_disconnected,
+)
 from lenbatch.serving.messages import PairInputs, Predicted
 from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import ScoringService
@@ -94,7 +100,7 @@ def create_scoring_app(
             truncate=body.truncate,
             timeout=timeout,
             priority=body.priority or 0,
-            arrival=engine.clock.now(),  # before tokenizing: the wait for it counts
+            arrival=received_at(request.scope, engine.clock),  # tokenizing's wait counts
         )
         done = await unless_disconnected(request, work)
         if done is None:

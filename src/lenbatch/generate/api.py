@@ -33,7 +33,13 @@ from lenbatch.generate.protocol import (
     usage,
 )
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import check_model, engine_app, error_response, unless_disconnected
+from lenbatch.serving.http import (
+    check_model,
+    engine_app,
+    error_response,
+    received_at,
+    unless_disconnected,
+)
 from lenbatch.serving.messages import Delta
 from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.services import GenerationHandle, GenerationService
@@ -77,9 +83,9 @@ def create_llm_app(
     card = {"max_model_len": engine.info.max_length, "task": "generate"}
     app = engine_app(engine, settings, served, card)
 
-    def accept(body: CommonOptions) -> float:
+    def accept(body: CommonOptions, request: Request) -> float:
         """The arrival time of a call this server can honour; raises its 400 or 404."""
-        arrival = engine.clock.now()
+        arrival = received_at(request.scope, engine.clock)
         check_model(body.model, accepted, served)
         if (why := body.unsupported()) is not None:
             raise BadInput(why)
@@ -93,7 +99,7 @@ def create_llm_app(
         x_priority: _Priority = None,
     ) -> Response:
         """OpenAI-compatible text completion; each prompt is batched by its own length."""
-        arrival = accept(body)
+        arrival = accept(body, request)
         prompts = await engine.prompt_ids(body.prompt)
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
@@ -111,7 +117,7 @@ def create_llm_app(
         x_priority: _Priority = None,
     ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
-        arrival = accept(body)
+        arrival = accept(body, request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens

@@ -137,7 +137,7 @@ class Metrics(Series):
         self.queue_wait = h("lenbatch_queue_wait_seconds", "Time from arrival to batch start", b)
         self.exec_time = h("lenbatch_batch_exec_seconds", "Model execution time per batch", b)
         self.latency = h("lenbatch_request_latency_seconds", "Arrival to answer, per input", b)
-        self.intake = h("lenbatch_intake_seconds", "Route took the call to admission (tokenizing)")
+        self.intake = h("lenbatch_intake_seconds", "First bytes read to admission (event-loop backlog, parsing, tokenizing)")
         self._intakes = window()
         self.depth = g("lenbatch_queue_depth", "Requests waiting", b)
         self.requests = c("lenbatch_requests", "Answered inputs by outcome", b, "status")
@@ -319,8 +319,9 @@ class Metrics(Series):
         self.served_late.set(state["served_late"])
 
     def record_intake(self, seconds: float) -> None:
-        """A call's time from its route taking it to its admission: tokenizing, and waiting
-        for the tokenizer threads and the event loop."""
+        """A call's time from the server reading its first bytes (its route taking it, where
+        the protocol does not stamp that) to its admission: the event loop's backlog, parsing,
+        tokenizing and waiting for the tokenizer threads."""
         self._intakes.append(seconds)
         self.intake.observe(seconds)
 
