@@ -97,7 +97,8 @@ def machine_description() -> str:
 
 def software_description() -> str:
     """Versions that change the figures: Python, torch, transformers, and whether uvicorn
-    finds uvloop/httptools (the Ray extra installs them; they speed up every server)."""
+    finds uvloop/httptools (httptools is a dependency, the Ray extra installs uvloop; they
+    speed up every server)."""
     import importlib.metadata as md
     import platform
 

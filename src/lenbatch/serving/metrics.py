@@ -137,7 +137,10 @@ class Metrics(Series):
         self.queue_wait = h("lenbatch_queue_wait_seconds", "Time from arrival to batch start", b)
         self.exec_time = h("lenbatch_batch_exec_seconds", "Model execution time per batch", b)
         self.latency = h("lenbatch_request_latency_seconds", "Arrival to answer, per input", b)
-        self.intake = h("lenbatch_intake_seconds", "First bytes read to admission (event-loop backlog, parsing, tokenizing)")
+        self.intake = h(
+            "lenbatch_intake_seconds",
+            "First bytes read to admission (event-loop backlog, parsing, tokenizing)",
+        )
         self._intakes = window()
         self.depth = g("lenbatch_queue_depth", "Requests waiting", b)
         self.requests = c("lenbatch_requests", "Answered inputs by outcome", b, "status")
