@@ -123,6 +123,19 @@ class Int8Linear(RowLinear):
         return torch._weight_int8pack_mm(x, self.q, self.scale)  # noqa: SLF001
 
 
+def _q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of `INT4_GROUP` input columns of `weight` `[out, in]`:
+    `(q, scale, lo)` with `w ~ q * scale + lo`, `q` uint8 in 0..15 `[out, in / 32, 32]`,
+    `scale` and `lo` float32 `[out, in / 32]` (each group's minimum and 15-step range, as
+    llama.cpp's Q4_1 chooses them, so a Q4_1 GGUF's dequantized groups come back exactly)."""
+    out, inp = weight.shape
+    g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q, scale, lo
+
+
 class Int4Linear(RowLinear):
     """Asymmetric 4-bit weights in groups of `INT4_GROUP` input columns:
     `w = (q - 8) * scale + zero` with `zero = min + 8 * scale`, `q` in 0..15; activations in
@@ -130,11 +143,10 @@ class Int4Linear(RowLinear):
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         out, inp = weight.shape
-        g = weight.float().view(out, inp // INT4_GROUP, INT4_GROUP)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out, inp), 1)  # noqa: SLF001
+        q, scale, lo = _q4_groups(weight)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(  # noqa: SLF001
+            q.to(torch.int32).view(out, inp), 1
+        )
         # [in / group, out, 2]: the kernel's layout of (scale, zero) per group and output.
         self.scales_zeros = (
             torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
@@ -159,15 +171,13 @@ class GroupLinear(RowLinear):
         if inp % INT4_GROUP:
             raise ValueError(f"GroupLinear: {inp} input features are not a multiple of 32")
         self.op, self.bits = op, bits
-        g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
         if bits == 4:
-            lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-            scale = ((hi - lo) / 15).clamp(min=1e-12)
-            q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+            q, scale, lo = _q4_groups(weight)
             # Element j of a group in the low nibble of byte j, element j + 16 in the high one.
             self.q = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, inp // 2).contiguous()
             self.lo = lo.contiguous()
         else:
+            g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
             scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
             q8 = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
             self.q = q8.reshape(out, inp).contiguous()
