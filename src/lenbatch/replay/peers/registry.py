@@ -23,6 +23,7 @@ PEERS = {
 
 EXTERNAL_PEERS = {
     "infinity": "lenbatch.replay.peers.infinity:INFINITY",
+    "infinity-bf16": "lenbatch.replay.peers.infinity:INFINITY_BF16",
     "vllm": "lenbatch.replay.peers.vllm:VLLM",
     "vllm-allcores": "lenbatch.replay.peers.vllm:VLLM_ALL_CORES",
     "vllm-bf16": "lenbatch.replay.peers.vllm:VLLM_BF16",
