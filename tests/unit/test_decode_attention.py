@@ -9,6 +9,9 @@ of 16) and the plain loop (head_dim 24).
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +42,40 @@ def test_forced_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.decode_attention_op() is None
     monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", "fast")
     assert "expected auto, kernel or sdpa" in str(da.kernel_unavailable())
+
+
+def test_build_lock_clears_an_interrupted_builds_marker_and_excludes_other_builds(
+    tmp_path: Path,
+) -> None:
+    """torch's `lock` marker left by a killed build is removed under the lock (else every
+    later `cpp_extension.load` of the folder waits forever), and while one build holds the
+    folder another process cannot take it."""
+    (tmp_path / "lock").touch()
+    probe = (
+        "import fcntl, sys; f = open(sys.argv[1], 'a')\n"
+        "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "except BlockingIOError:\n    sys.exit(3)\n"
+    )
+    lock_file = str(tmp_path / ".lenbatch-build.lock")
+    with da.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        held = subprocess.run([sys.executable, "-c", probe, lock_file], timeout=60)
+        assert held.returncode == 3
+    free = subprocess.run([sys.executable, "-c", probe, lock_file], timeout=60)
+    assert free.returncode == 0
+
+
+@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+def test_a_start_after_an_interrupted_build_loads_the_op(tmp_path: Path) -> None:
+    """The op's own build folder with a killed build's marker in it: a fresh process still
+    gets the op (before the fix it waited on the marker until killed)."""
+    assert da.decode_attention_op() is not None  # built (or loaded) here first
+    folder = Path(sys.prefix) / "lenbatch-ext" / da.build_name()
+    (folder / "lock").touch()
+    code = "from lenbatch.runners import decode_attention as da; print(da.decode_attention_op())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "None" not in run.stdout and not (folder / "lock").exists()
 
 
 def _case(rows: int, kv: int, group: int, dim: int, width: int, dtype: torch.dtype, seed: int):

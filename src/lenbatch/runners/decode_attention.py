@@ -27,12 +27,15 @@ the fused Q/K/V rows; `runners/packed.py`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ import torch
 
 from lenbatch.runners.hardware import cpu_flags
 
-__all__ = ["amx_allowed", "decode_attention_op", "kernel_unavailable"]
+__all__ = ["amx_allowed", "build_lock", "build_name", "decode_attention_op", "kernel_unavailable"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -90,23 +93,49 @@ def _build_dir(name: str) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` for one build, across processes, and clear torch's
+    own marker there if an interrupted build left it. torch's `cpp_extension.load` marks a
+    build in progress with a plain `lock` file that it deletes when done, and any later
+    `load` of the same folder waits for it to go: a server stopped during its first build
+    (Ctrl-C at start-up) left it behind, and every later start hung there without a word.
+    The kernel releases this lock when its holder dies, and every lenbatch build takes it
+    first, so a marker found while holding it is stale."""
+    with (folder / ".lenbatch-build.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        marker = folder / "lock"
+        if marker.exists():
+            log.warning("removed %s, left by an interrupted build of the C++ ops", marker)
+            marker.unlink(missing_ok=True)
+        yield
+
+
+def build_name() -> str:
+    """The op's build name (and folder name): keyed by its source, torch's version and this
+    CPU's flags."""
+    source = _SOURCE.read_bytes()
+    flags = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
+    return f"lenbatch_decode_attention_{key}"
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    source = _SOURCE.read_bytes()
-    flags = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
-    name = f"lenbatch_decode_attention_{key}"
-    return load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(_build_dir(name)),
-        verbose=False,
-    )
+    name = build_name()
+    folder = _build_dir(name)
+    with build_lock(folder):
+        return load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
 
 
 def decode_attention_op() -> Any | None:
