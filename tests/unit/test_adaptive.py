@@ -164,6 +164,34 @@ def test_the_fill_threshold_counts_every_batch_slot() -> None:
     assert held == [True, False]
 
 
+def test_the_fill_window_grows_with_the_load_over_the_ramp() -> None:
+    """Below `fill_above_load` a lane runs at once; above it the lane waits a share of its
+    fill window that grows with the load, (load - 0.7) / 0.3, up to the whole window; with no
+    ramp the whole window applies from the threshold on."""
+    seen = []
+    for rate, ramp in ((20, 0.3), (25, 0.3), (30, 0.3), (40, 0.3), (25, 0.0)):
+        cfg = replace(_cfg(), slots=1)
+        policy = AdaptivePolicy(level_slo=(1.0,), max_wait=0.05, fill_ramp=ramp)
+        st = AdaptiveState(policy, OnlineCostModel(TRUE), cfg)
+        q = Queues(cfg)
+        for k in range(2 * rate):
+            st.on_arrival(2, 50, k / rate)
+        _arrive(q, st, 50, 2.0)
+        load = st.load(2.0)
+        d = schedule(q, 2.0, cfg, st)
+        full = st.fill_window(2, st.target[2], 2.0)
+        if load < 0.7:
+            assert [b.size for b in d.batches] == [1]
+            seen.append(0.0)
+            continue
+        assert d.batches == [] and full > 0
+        share = min(1.0, (load - 0.7) / ramp) if ramp else 1.0
+        assert st.wait[2] == pytest.approx(share * full)
+        assert d.wake_at == pytest.approx(2.0 + share * full)
+        seen.append(share)
+    assert seen[0] == 0.0 and 0 < seen[1] < seen[2] < 1 and seen[3] == 1.0 and seen[4] == 1.0
+
+
 def test_late_binding_off_runs_at_once() -> None:
     """The switch: with late binding off a lane runs as soon as a slot is free."""
     cfg = _cfg()

@@ -152,6 +152,9 @@ class AdaptiveConfig(BaseModel):
     """Wait to fill only once the runner's batch slots (`max_concurrent_batches`) would be busy
     this share of the time running every request alone (below it there is model time to
     spare; 0: whenever filling pays)."""
+    fill_ramp: float = Field(0.3, ge=0)
+    """The fill window grows from nothing at `fill_above_load` to its full length at
+    `fill_above_load + fill_ramp` (0: in one step at `fill_above_load`)."""
     rate_window_s: float = Field(1.0, gt=0)
     """Time constant of the per-lane arrival-rate estimate."""
     merge: bool = True

@@ -27,8 +27,12 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
    start (`min due - t(B, L) - ahead`) is not reached. The target is the largest `b` with
    `t(b, L) + (b - 1) / rate <= SLO / 2` (Nexus' rule, in padded tokens), filling no further
    than it pays; the wait it implies, `(target - 1) / rate`, is bounded by `min_wait` and
-   `max_wait`. While the runner is busy a lane short of its target keeps filling (the batch
-   would only wait in the prefetch slot), unless its latest start has come.
+   `max_wait`, and scaled by `(load - fill_load) / fill_ramp` (at most 1): the wait grows with
+   the load instead of switching on at one value of a noisy estimate (on an Intel Xeon family
+   6 model 167, at 0.5x capacity the load sat at 0.68-0.79 against a step at 0.7, and the
+   simulator's P95 there moved 39 -> 86 ms between two cost models of the same server; with
+   the ramp 33 -> 50 ms). While the runner is busy a lane short of its target keeps filling
+   (the batch would only wait in the prefetch slot), unless its latest start has come.
 4. **Choice**: among ready lanes, the highest level first, then a batch that meets its
    deadline before one that cannot, then the earliest latest-start (Clockwork's rule).
 5. **Merges** (`merge`): a batch leaving short of full is topped up with requests of the next
@@ -284,7 +288,10 @@ class AdaptiveState(Shedding):
         free = cfg.slots - queues.inflight_total
         # Filling a batch buys model time; below `fill_load` (the runner's busy share were
         # every request run alone) there is time to spare, and waiting only adds latency.
-        fill = pol.late_binding and not self.draining and self.load(now) >= pol.fill_load
+        # Above it the fill window grows with the load over `fill_ramp` (`share`).
+        load = self.load(now)
+        fill = pol.late_binding and not self.draining and load >= pol.fill_load
+        share = min(1.0, (load - pol.fill_load) / pol.fill_ramp) if fill and pol.fill_ramp else 1.0
         # a batch's due-time checks use the model's times as the last batches measured them and
         # as the request-side CPU slows them now, as shedding does: a batch the bare fit says
         # is in time would otherwise run its last members late
@@ -338,7 +345,7 @@ class AdaptiveState(Shedding):
                 level = max(pol.level(r, now) for r in members)
                 head = members[0]
                 target = self.target_batch(i, cfg, now, pol.due(head) - head.arrival)
-                window_s = self.fill_window(i, target, now)
+                window_s = self.fill_window(i, target, now) * share
                 self.target[i] = target
                 self.wait[i] = window_s
                 oldest = min(r.arrival for r in members)

@@ -32,6 +32,7 @@ class AdaptivePolicy:
     late_binding: bool = True
     fill_gain: float = 0.1
     fill_load: float = 0.7
+    fill_ramp: float = 0.3  # load span over which the fill window grows to its full length
     rate_window: float = 1.0
     merge: bool = True
     shed: ShedMode = ShedMode.REJECT_429
@@ -56,6 +57,7 @@ class AdaptivePolicy:
             late_binding=ac.late_binding,
             fill_gain=ac.fill_gain,
             fill_load=ac.fill_above_load,
+            fill_ramp=ac.fill_ramp,
             rate_window=ac.rate_window_s,
             merge=ac.merge,
             shed=ac.shed,
