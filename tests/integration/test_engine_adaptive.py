@@ -54,6 +54,7 @@ async def test_adaptive_answers_in_order_and_learns_its_cost() -> None:
     assert ad["switches"] == {
         "late_binding": True,
         "fill_above_load": 0.7,
+        "fill_ramp": 0.3,
         "merge": True,
         "shed": "429",
         "priority_levels": 1,

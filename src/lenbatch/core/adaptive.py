@@ -509,6 +509,7 @@ class AdaptiveState(Shedding):
             "switches": {
                 "late_binding": pol.late_binding,
                 "fill_above_load": pol.fill_load,
+                "fill_ramp": pol.fill_ramp,
                 "merge": pol.merge,
                 "shed": pol.shed.value,
                 "priority_levels": pol.levels,
