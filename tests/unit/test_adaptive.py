@@ -192,6 +192,25 @@ def test_the_fill_window_grows_with_the_load_over_the_ramp() -> None:
     assert seen[0] == 0.0 and 0 < seen[1] < seen[2] < 1 and seen[3] == 1.0 and seen[4] == 1.0
 
 
+def test_the_total_arrival_rate_is_the_sum_of_the_lanes_rates() -> None:
+    """`total_rate`, kept as one decaying average, equals the lanes' rates summed, between
+    arrivals and after them, and starts afresh with the lanes."""
+    cfg = _cfg()
+    st = _state(cfg)
+    est = st.estimates
+    rng = np.random.default_rng(1)
+    t = 0.0
+    for _ in range(300):
+        t += float(rng.exponential(0.01))
+        est.on_arrival(int(rng.integers(0, est.lanes)), 40, t)
+        for now in (t, t + 0.003, t + 0.5):
+            total = sum(est.rate(i, now) for i in range(est.lanes))
+            assert est.total_rate(now) == pytest.approx(total, rel=1e-9)
+    assert est.total_rate(t) > 50
+    est.reset(cfg)
+    assert est.total_rate(t) == 0.0
+
+
 def test_late_binding_off_runs_at_once() -> None:
     """The switch: with late binding off a lane runs as soon as a slot is free."""
     cfg = _cfg()

@@ -169,11 +169,8 @@ class AdaptiveState(Shedding):
         `steady`, at the arrival rate of the last few seconds (`LaneEstimates.steady_rate`)."""
         if self.request_cpu.per_request_s <= 0:
             return 1.0
-        if steady:
-            rate = self.estimates.steady_rate(now)
-        else:
-            rate = sum(self.estimates.rate(i, now) for i in range(len(self.wait)))
-        return self.request_cpu.slowdown(rate)
+        est = self.estimates
+        return self.request_cpu.slowdown(est.steady_rate(now) if steady else est.total_rate(now))
 
     def observe_batch(
         self, lane: int, size: int, padded_len: int, seconds: float, now: float | None = None
