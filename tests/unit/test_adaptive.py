@@ -58,6 +58,63 @@ def test_cost_model_converges_on_a_synthetic_cost() -> None:
     assert err is not None and err < 0.05
 
 
+def test_cost_model_fits_only_its_window_of_latest_batches() -> None:
+    """Once more batches came than the window holds, the fit is that of the latest `window`
+    alone: the same as a fresh model fed only those (the ring overwrites the oldest), and a
+    slowdown that filled the window is what it predicts for a full batch."""
+    rng = np.random.default_rng(1)
+    shapes = [(int(rng.integers(1, 33)), int(rng.integers(8, 257))) for _ in range(45)]
+    times = [TRUE.seconds(b, n) * (1.0 if i < 30 else 2.0) for i, (b, n) in enumerate(shapes)]
+    rolled = OnlineCostModel(TRUE, window=15)
+    for (b, n), t in zip(shapes, times, strict=True):
+        rolled.observe(b, n, t)
+    fresh = OnlineCostModel(TRUE, window=15)
+    for (b, n), t in list(zip(shapes, times, strict=True))[-15:]:
+        fresh.observe(b, n, t)
+    fresh.observed = rolled.observed  # the same refit schedule
+    for b, n in [(1, 16), (8, 64), (32, 256)]:
+        assert rolled.seconds(b, n) == pytest.approx(fresh.seconds(b, n), rel=1e-9)
+    assert rolled.seconds(32, 256) == pytest.approx(2 * TRUE.seconds(32, 256), rel=0.05)
+    assert rolled.describe()["window"] == 15
+    assert rolled.fit_error() == pytest.approx(fresh.fit_error(), abs=1e-9)
+
+
+@pytest.mark.parametrize("curved", [True, False])
+def test_cost_model_is_the_weighted_relative_least_squares_fit(curved: bool) -> None:
+    """The fit is least squares of relative residuals over the window plus the prior's
+    pseudo-batches (worth `prior_weight` x max(0.02, 1 - fill) over five shapes), computed
+    here independently with `np.linalg.lstsq`. Timings without curvature give a negative
+    L^2 term: it is dropped and the other two refitted, so it is exactly 0."""
+    rng = np.random.default_rng(2)
+    prior = CostCoefficients(0.004, 3e-5, 2e-8)
+    model = OnlineCostModel(prior, window=64, prior_weight=8.0)
+    rows = []
+    for _ in range(40):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(8, 257))
+        y = (0.003 + 2e-5 * b * n + (6e-8 * b * n * n if curved else -4e-9 * b * n * n)) * float(
+            rng.lognormal(0.0, 0.1)
+        )
+        model.observe(b, n, y)
+        rows.append((b, n, y, 1.0))
+    w_prior = 8.0 * (1 - 40 / 64) / 5
+    shapes = ((1, 16), (1, 128), (8, 64), (16, 128), (4, 256))
+    rows += [(b, n, prior.seconds(b, n), w_prior) for b, n in shapes]
+    data = np.array(rows)
+    b, n, y, w = data.T
+    x = np.stack([np.ones_like(y), b * n, b * n * n], axis=1) * (np.sqrt(w) / y)[:, None]
+    target = np.sqrt(w)
+    terms = 3 if curved else 2
+    want = np.linalg.lstsq(x[:, :terms], target, rcond=None)[0]
+    co = model.coefficients
+    assert [co.a, co.b] == pytest.approx(want[:2], rel=1e-9)
+    if curved:
+        assert co.c == pytest.approx(want[2], rel=1e-9)
+        assert co.c > 0
+    else:
+        assert co.c == 0.0
+        assert np.linalg.lstsq(x, target, rcond=None)[0][2] < 0  # why it was dropped
+
+
 def test_cost_model_without_data_uses_its_prior_and_stays_non_negative() -> None:
     """No batches: the prior predicts. Degenerate data (one shape) never makes a term negative."""
     model = OnlineCostModel(TRUE)

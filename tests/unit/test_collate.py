@@ -78,6 +78,30 @@ def test_pack_collated_keeps_real_tokens(side: str) -> None:
     assert p.lengths == c.lengths
 
 
+@pytest.mark.parametrize("n", [1, 2, 17])
+def test_pack_one_row_has_the_general_layout(n: int) -> None:
+    """A one-row batch (its own short path) packs exactly as that row does beside others:
+    the general layout's arrays with the other rows taken away, and its figures."""
+    row = list(range(40, 40 + n))
+    one = pack([row])
+    both = pack([row, [7] * (n + 3)])  # a longer second row: the width is not the row's
+    k = one.real_tokens
+    for name in ("input_ids", "position_ids", "row_ids"):
+        got, want = getattr(one, name), getattr(both, name)[:k]
+        assert got.dtype == want.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(one.slots, np.arange(n))
+    np.testing.assert_array_equal(one.offsets, [0, n])
+    assert one.offsets.dtype == np.int64
+    assert (one.rows, one.width, one.uniform, one.lengths) == (1, n, True, (n,))
+    assert one.token_type_ids is None
+    with pytest.raises(ValueError, match="empty sequence"):
+        pack([[]])
+    typed = pack([row], [[1] * n])  # segment ids take the general path
+    assert typed.token_type_ids is not None
+    np.testing.assert_array_equal(typed.input_ids, one.input_ids)
+
+
 def test_pack_uniform_and_empty() -> None:
     """Equal lengths are flagged uniform (no scatter needed); empty inputs are refused."""
     assert pack([[1, 2], [3, 4]]).uniform

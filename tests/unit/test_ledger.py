@@ -131,3 +131,28 @@ async def test_admitting_a_ticket_twice_is_a_bug() -> None:
     ledger.start(t, 0.0)
     with pytest.raises(RuntimeError, match="admitted twice"):
         ledger.admit([t])
+
+
+def test_queue_depth_gauges_follow_every_change() -> None:
+    """`set_depths` writes only the lanes that changed, yet the gauges always read the
+    latest depths, also for lanes re-labelled by a re-fit."""
+    m = Metrics(["1-16", "17-32", "33-64"], "adaptive")
+
+    def gauges() -> tuple[list[float | None], float | None]:
+        reg = m.registry
+        lanes = [
+            reg.get_sample_value("lenbatch_queue_depth", {"bucket": label}) for label in m.labels
+        ]
+        return lanes, reg.get_sample_value("lenbatch_batches_in_flight")
+
+    m.set_depths([0, 0, 0], 0)
+    assert gauges() == ([0.0, 0.0, 0.0], 0.0)
+    m.set_depths([3, 0, 0], 1)
+    assert gauges() == ([3.0, 0.0, 0.0], 1.0)
+    m.set_depths([0, 0, 2], 1)
+    assert gauges() == ([0.0, 0.0, 2.0], 1.0)
+    m.set_depths([0, 0, 2], 0)
+    assert gauges() == ([0.0, 0.0, 2.0], 0.0)
+    m.record_refit(["1-24", "25-64"])
+    m.set_depths([0, 2], 0)  # new lanes: every one written, though the numbers look alike
+    assert gauges() == ([0.0, 2.0], 0.0)

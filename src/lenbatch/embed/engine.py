@@ -312,6 +312,8 @@ class Engine(BaseEngine[Vector]):
         self.ledger.admit(r.handle for r in requests)
         self._kick()
         try:
+            if len(requests) == 1:  # most calls: no gathering future and its callbacks
+                return [await _future(requests[0])]
             return list(await asyncio.gather(*(_future(r) for r in requests)))
         except LenbatchError as err:
             culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)

@@ -264,11 +264,19 @@ class Metrics(Series):
         """Current queue depth per lane and batches in flight. Called on every turn of the
         engine's loop, so it writes only what changed since the last call."""
         now = (tuple(self.labels), tuple(depths), inflight)
-        if now == self._last_depths:
+        last = self._last_depths
+        if now == last:
             return
-        for label, d in zip(self.labels, depths, strict=True):
-            self.child(self.depth, label).set(d)
-        self.inflight.set(inflight)
+        # A turn usually moves one lane: write only the lanes whose depth changed (all of
+        # them after the lanes were re-fitted).
+        if last is None or last[0] != now[0]:
+            lanes: Sequence[int] = range(len(now[1]))
+        else:
+            lanes = [i for i, (d, was) in enumerate(zip(now[1], last[1], strict=True)) if d != was]
+        for i in lanes:
+            self.child(self.depth, self.labels[i]).set(now[1][i])
+        if last is None or last[2] != inflight:
+            self.inflight.set(inflight)
         self._last_depths = now
 
     def set_memory(self, weights: int, activations: int, device: str) -> None:
