@@ -68,6 +68,20 @@ def test_tiny_top_p_keeps_only_the_top_token(top_p: float) -> None:
         assert choose_tokens(logits, [p], [gen]) == [1]
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1.18e-259, 5e-324])  # 5e-324: 0 in float32
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_tiny_temperature_samples_the_top_token(temperature: float, top_p: float) -> None:
+    """A temperature near 0 (any positive one is valid) samples the largest logit, as in the
+    limit, instead of failing on NaN probabilities (the fuzzer found 1.18e-259 and 5e-324
+    answered 500: the logits over it were inf, and inf - inf is NaN); a masked (-inf)
+    token stays unchosen, and large logits do not overflow."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, float("-inf")], [80.0, 95.0, 94.9, 0.0, 1.0]])
+    p = SamplingParams(temperature=temperature, top_p=top_p)
+    for seed in range(5):
+        gens = [make_generator(SamplingParams(seed=seed + k), torch.device("cpu")) for k in (0, 9)]
+        assert choose_tokens(logits, [p, p], gens) == [1, 1]
+
+
 def test_seeded_sampling_repeats_and_depends_on_the_seed() -> None:
     """The same seed draws the same tokens; draws follow the distribution's support."""
     logits = torch.zeros((1, 50))

@@ -18,6 +18,9 @@ from lenbatch.serving.messages import SamplingParams
 
 __all__ = ["TextTracker", "choose_tokens", "make_generator", "mask_eos"]
 
+# Below this a temperature samples as it does in the limit (the top logit, ties shared).
+_TINIEST_TEMPERATURE = 1e-30
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """The request's own random generator (None for greedy requests)."""
@@ -45,7 +48,12 @@ def choose_tokens(
         if p.greedy:
             out.append(int(greedy[row]))
             continue
-        probs = torch.softmax(logits[row].float() / p.temperature, dim=-1)
+        # Shifted so the largest logit is 0 before dividing: a tiny temperature (the schema
+        # takes any positive one) then sends the others to -inf instead of making inf - inf
+        # (NaN) out of the top ones; and one below float32's range (5e-324 became 0) divides
+        # as the smallest that changes nothing: every gap float32 can hold is already -inf.
+        x = logits[row].float()
+        probs = torch.softmax((x - x.max()) / max(p.temperature, _TINIEST_TEMPERATURE), dim=-1)
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
