@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lenbatch.config import AdaptiveConfig, ShedMode
+from lenbatch.core import costfit
 from lenbatch.core.adaptive import AdaptivePolicy, AdaptiveState, check_slo, derive_slo
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 from lenbatch.core.errors import Overloaded, Unavailable
@@ -113,6 +114,47 @@ def test_cost_model_is_the_weighted_relative_least_squares_fit(curved: bool) -> 
     else:
         assert co.c == 0.0
         assert np.linalg.lstsq(x, target, rcond=None)[0][2] < 0  # why it was dropped
+
+
+def test_cost_model_running_sums_equal_a_fresh_fit_over_many_windows() -> None:
+    """The fit reads running sums (a batch added, the one it displaces taken out): after
+    every batch of 400 whose times swing over two decades, its predictions equal those of a
+    fresh model fed only the window's batches."""
+    rng = np.random.default_rng(3)
+    window = 16
+    rolled = OnlineCostModel(TRUE, window=window)
+    seen: list[tuple[int, int, float]] = []
+    for i in range(400):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(8, 257))
+        y = TRUE.seconds(b, n) * float(10 ** rng.uniform(-1, 1)) * (10.0 if i % 50 < 5 else 1.0)
+        rolled.observe(b, n, y)
+        seen.append((b, n, y))
+        fresh = OnlineCostModel(TRUE, window=window)
+        for row in seen[-window:]:
+            fresh.observe(*row)
+        for model in (rolled, fresh):
+            model._fitted_at = -1  # refit now, whatever the cadence
+        for shape in [(1, 16), (8, 64), (32, 256)]:
+            assert rolled.seconds(*shape) == pytest.approx(fresh.seconds(*shape), rel=1e-9)
+
+
+def test_cost_model_falls_back_to_lstsq_over_the_rows_with_the_same_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the small normal equations count as singular, the fit is lstsq over every row
+    and the prior's: the same coefficients as the normal equations give when solvable."""
+    rng = np.random.default_rng(4)
+    model = OnlineCostModel(CostCoefficients(0.004, 3e-5, 2e-8), window=64, prior_weight=8.0)
+    for _ in range(40):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(8, 257))
+        model.observe(b, n, (0.003 + 2e-5 * b * n + 6e-8 * b * n * n) * rng.lognormal(0, 0.1))
+    solved = model._refit()
+    monkeypatch.setattr(costfit, "_solve_small", lambda a, b: None)
+    fallback = model._refit()
+    assert [fallback.a, fallback.b, fallback.c] == pytest.approx(
+        [solved.a, solved.b, solved.c], rel=1e-9
+    )
+    assert solved.c > 0
 
 
 def test_cost_model_without_data_uses_its_prior_and_stays_non_negative() -> None:

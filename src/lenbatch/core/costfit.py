@@ -10,7 +10,7 @@ much as a 2 s one (the error that matters is relative). A prior (a profile's coe
 generic CPU guess when there is none) enters as pseudo-observations at typical shapes, worth
 `prior_weight` batches in all: it decides while there is little data and fades as the window
 fills. Coefficients are kept non-negative (a term fitted negative is dropped and the rest
-refitted), so predictions never fall as a batch grows. Pure: numpy only, no clock.
+refitted), so predictions never fall as a batch grows. Pure: no clock.
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ class OnlineCostModel:
         "_len",
         "_next",
         "_prior_rows",
+        "_prior_sums",
         "_prior_weight",
+        "_since_exact",
+        "_sums",
         "observed",
         "prior",
         "source",
@@ -94,16 +97,18 @@ class OnlineCostModel:
         self.source = "profile" if prior is not None else "generic prior"
         self.prior = prior or GENERIC_PRIOR
         self._prior_weight = prior_weight
-        # The window as a ring of (rows, padded length, seconds), in a numpy array rather than
-        # a deque of tuples: a refit (every few batches, on the event loop) then reads it as it
-        # is instead of building 256 rows in Python. With the small solves of `_refit`: 26
-        # against 137 us per refit (Intel Xeon family 6 model 167).
+        # The window as a ring of (rows, padded length, seconds), in a numpy array: `fit_error`
+        # reads it as it is. The fit itself reads only `_sums`, the window's normal equations
+        # kept as plain floats, a batch added and the one it displaces taken out (below).
         self._buf = np.zeros((window, 3), dtype=np.float64)
         self._len = 0  # rows of `_buf` in use
         self._next = 0  # the row the next observation overwrites (the oldest once full)
         self._prior_rows = np.array(
             [(b, n, self.prior.seconds(b, n)) for b, n in _PRIOR_SHAPES], dtype=np.float64
         )
+        self._prior_sums = _sums(self._prior_rows.tolist())
+        self._sums = [0.0] * 9
+        self._since_exact = 0  # observations since `_sums` was last summed afresh
         self._fit = self.prior
         self._fitted_at = 0  # `observed` when the fit was last computed
         self.observed = 0  # batches seen since start (the window keeps the latest)
@@ -118,10 +123,17 @@ class OnlineCostModel:
         if batch < 1 or padded_len < 1 or not seconds > 0 or not math.isfinite(seconds):
             return  # a failed or degenerate timing carries no information about cost
         row = self._buf[self._next]
+        if self._len == self.window:  # the oldest leaves the window
+            _add(self._sums, float(row[0]), float(row[1]), float(row[2]), -1.0)
         row[0], row[1], row[2] = batch, padded_len, seconds
+        _add(self._sums, float(batch), float(padded_len), float(seconds), 1.0)
         self._next = (self._next + 1) % self.window
         self._len = min(self._len + 1, self.window)
         self.observed += 1
+        self._since_exact += 1
+        if self._since_exact >= self.window:  # what adding and taking out rounded, once a window
+            self._sums = _sums(self._buf[: self._len].tolist())
+            self._since_exact = 0
 
     @property
     def coefficients(self) -> CostCoefficients:
@@ -163,42 +175,81 @@ class OnlineCostModel:
         }
 
     def _refit(self) -> CostCoefficients:
-        obs = self._buf[: self._len]
         # The prior fades as the window fills (to a trace that keeps a degenerate window,
         # e.g. one shape only, from leaving the other terms undetermined).
         fill = self._len / self.window
         w_prior = self._prior_weight * max(0.02, 1.0 - fill) / len(_PRIOR_SHAPES)
-        data = np.concatenate([obs, self._prior_rows])
+        # Weighted least squares with relative residuals: each row (1, B*L, B*L^2) / seconds
+        # against 1, the prior's rows weighed `w_prior`. Its normal equations are the window's
+        # running sums plus the prior's, so a refit costs no pass over the rows and no numpy
+        # call: numpy's element-wise calls release the GIL, and on the event loop, with a
+        # runner thread busy, taking it back cost 244 us a refit against 31 alone (Intel Xeon
+        # family 6 model 167, 2 cores; sequential one-line requests).
+        t = [u + w_prior * p for u, p in zip(self._sums, self._prior_sums, strict=True)]
+        gram = [[t[0], t[1], t[2]], [t[1], t[3], t[4]], [t[2], t[4], t[5]]]
+        rhs = t[6:9]
+        # Columns scaled to a unit diagonal for conditioning; then each active set's fit is a
+        # solve of at most 3 x 3, and lstsq over the rows only where that system is singular.
+        scale = [math.sqrt(gram[i][i]) or 1.0 for i in range(3)]
+        g = [[gram[i][j] / (scale[i] * scale[j]) for j in range(3)] for i in range(3)]
+        r = [rhs[i] / scale[i] for i in range(3)]
+        active = [0, 1, 2]
+        coef = [0.0, 0.0, 0.0]
+        while active:
+            sol = _solve_small([[g[i][j] for j in active] for i in active], [r[i] for i in active])
+            if sol is None:
+                sol = self._lstsq(active, w_prior)
+            else:
+                sol = [v / scale[i] for v, i in zip(sol, active, strict=True)]
+            if min(sol) >= 0:
+                coef = [0.0, 0.0, 0.0]
+                for v, i in zip(sol, active, strict=True):
+                    coef[i] = v
+                break
+            active.pop(sol.index(min(sol)))  # drop the most negative term and refit the rest
+        return CostCoefficients(coef[0], coef[1], coef[2])
+
+    def _lstsq(self, active: list[int], w_prior: float) -> list[float]:
+        """The weighted fit of the `active` terms by lstsq over every row: where the normal
+        equations are too near singular to solve as they are."""
+        data = np.concatenate([self._buf[: self._len], self._prior_rows])
         bat, pad, y = data[:, 0], data[:, 1], data[:, 2]
         w = np.ones(len(data))
         w[self._len :] = w_prior
         x = np.stack([np.ones_like(y), bat * pad, bat * pad * pad], axis=1)
-        # Weighted by 1/y: the residuals are relative. Columns scaled for conditioning.
         sw = np.sqrt(w) / y
-        xs = x * sw[:, None]
-        ys = y * sw
-        # The normal equations of the scaled columns, formed once: each active set's fit is
-        # then a solve of at most 3 x 3 (lstsq over every row took 2/3 of a refit, twice
-        # when a term came out negative); lstsq only where that small system is singular.
-        gram = xs.T @ xs
-        scale = np.sqrt(np.diag(gram))
+        xs = x[:, active] * sw[:, None]
+        scale = np.sqrt((xs * xs).sum(axis=0))
         scale[scale == 0] = 1.0
-        g = (gram / np.outer(scale, scale)).tolist()
-        r = ((xs.T @ ys) / scale).tolist()
-        active = [0, 1, 2]
-        coef = np.zeros(3)
-        while active:
-            sol = _solve_small([[g[i][j] for j in active] for i in active], [r[i] for i in active])
-            if sol is None:
-                sub = xs[:, active] / scale[active]
-                sol = list(np.linalg.lstsq(sub, ys, rcond=None)[0])
-            sol = [v / float(scale[i]) for v, i in zip(sol, active, strict=True)]
-            if min(sol) >= 0:
-                coef[:] = 0.0
-                coef[active] = sol
-                break
-            active.pop(sol.index(min(sol)))  # drop the most negative term and refit the rest
-        return CostCoefficients(float(coef[0]), float(coef[1]), float(coef[2]))
+        sol = np.linalg.lstsq(xs / scale, y * sw, rcond=None)[0] / scale
+        return [float(v) for v in sol]
+
+
+def _add(sums: list[float], batch: float, padded_len: float, seconds: float, sign: float) -> None:
+    """Add (`sign` 1) or take out (-1) one batch's terms of the normal equations: with
+    u = (1, B*L, B*L^2) / seconds, the six distinct entries of u u^T, then u (the right side:
+    each row's target is 1)."""
+    bl = batch * padded_len
+    u0 = 1.0 / seconds
+    u1 = bl * u0
+    u2 = bl * padded_len * u0
+    sums[0] += sign * u0 * u0
+    sums[1] += sign * u0 * u1
+    sums[2] += sign * u0 * u2
+    sums[3] += sign * u1 * u1
+    sums[4] += sign * u1 * u2
+    sums[5] += sign * u2 * u2
+    sums[6] += sign * u0
+    sums[7] += sign * u1
+    sums[8] += sign * u2
+
+
+def _sums(rows: list[list[float]]) -> list[float]:
+    """The normal equations' sums over `rows` of (rows, padded length, seconds), afresh."""
+    sums = [0.0] * 9
+    for b, n, y in rows:
+        _add(sums, b, n, y, 1.0)
+    return sums
 
 
 def _solve_small(a: list[list[float]], b: list[float]) -> list[float] | None:
