@@ -50,6 +50,7 @@ from lenbatch.core.errors import (
 from lenbatch.core.request import Request
 from lenbatch.runners.base import EmbeddingRunner, ModelInfo, PackedEmbeddingRunner
 from lenbatch.serving.budget import ComputeBudget, Turn
+from lenbatch.serving.workers import run_in_worker
 
 __all__ = [
     "BatchEvent",
@@ -298,7 +299,6 @@ class BatchRunner:
         wanted: Callable[[Request[Any]], bool],
     ) -> AsyncGenerator[BatchEvent, None]:
         """One model call on `live`, then what its failure leads to (split, bisect, crash)."""
-        loop = asyncio.get_running_loop()
         budget = self.budget
         turn = None
         if budget is not None:
@@ -308,7 +308,7 @@ class BatchRunner:
         try:
             start = self.clock.now()
             yield Started(live, start)
-            running = loop.run_in_executor(self.executor, self._model_call, batch, turn)
+            running = run_in_worker(self.executor, self._model_call, batch, turn)
             limit = self.recovery.batch_timeout_s
             if limit is not None and not await self._within(running, limit, turn):
                 yield Crashed(lane, f"a batch of {len(live)} ran longer than {limit:g} s", live)

@@ -61,6 +61,7 @@ from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.messages import Delta, SamplingParams
 from lenbatch.serving.streams import DeltaStreams
+from lenbatch.serving.workers import run_in_worker
 
 __all__ = ["GenerationEngine", "Scheduled"]
 
@@ -381,11 +382,10 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
     async def _execute(self, unit: Unit) -> UnitResult | Recovery:
         """Run `unit` in the worker thread; if it raises, recover (on the event loop, the
         worker being idle then)."""
-        loop = asyncio.get_running_loop()
         budget = self.budget  # several models in one process: take a turn on the CPU
         turn = None if budget is None else await budget.acquire(0, 0.0, self.budget_owner)
         try:
-            return await loop.run_in_executor(self._executor, self._run, unit)
+            return await run_in_worker(self._executor, self._run, unit)
         except Exception as exc:
             return recover(self.decoder, unit, exc)
         finally:
