@@ -85,4 +85,11 @@ class LaneEstimates:
         """The runner's busy share if every request ran alone: sum over lanes of arrival
         rate x predicted time of one request of the lane's mean length."""
         co = self.cost.coefficients
-        return sum(self.rate(i, now) * co.seconds(1, n) for i, n in enumerate(self.mean_len))
+        tau = self.rate_window
+        total = 0.0
+        # `rate(i, now) * co.seconds(1, n)`, written out: this runs on every scheduling pass,
+        # and most lanes of most passes have no arrivals to decay
+        for rate, at, n in zip(self.last_rate, self.last_arrival, self.mean_len, strict=True):
+            if rate > 0:
+                total += rate * math.exp(-max(0.0, now - at) / tau) * co.seconds(1, n)
+        return total

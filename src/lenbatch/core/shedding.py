@@ -110,7 +110,9 @@ class Shedding:
         work = 0.0
         ahead = 0
         for i, q in enumerate(queues.lanes):
-            if due is None:
+            if not q:
+                n = 0
+            elif due is None:
                 n = len(q)
             else:
                 n = sum(1 for r in q if r.priority >= priority and pol.due(r) <= due)

@@ -493,7 +493,22 @@ class Engine(BaseEngine[Vector]):
                 self.ledger.fail(r.handle, ModelFailed("internal error while running this batch"))
         finally:
             self.queues.batch_done(batch.lane)
-            self._kick()
+            if self._nothing_to_schedule():
+                self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
+            else:
+                self._kick()
+
+    def _nothing_to_schedule(self) -> bool:
+        """Whether a scheduling pass now would find no work: nothing queued, the engine
+        running (a drain finishes through the loop) and no boundary swap waiting for the
+        runner. A batch's end then wakes no pass (on a light load, one pass in two: 1.7 % less
+        of the loop's CPU per sequential one-line call, paired `bench/request_cost_ab.py`);
+        the next arrival's pass decides."""
+        return (
+            self.queues.size == 0
+            and self.state is EngineState.RUNNING
+            and (self.refit is None or not self.refit.swap.holding)
+        )
 
     def _has_failed(self) -> bool:
         return self.state is EngineState.FAILED

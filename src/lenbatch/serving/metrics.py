@@ -305,7 +305,7 @@ class Metrics(Series):
 
     def record_priority(self, level: int, n: int) -> None:
         """`n` inputs of priority `level` were admitted."""
-        self.by_priority.labels(str(level)).inc(n)
+        self.child(self.by_priority, str(level)).inc(n)
 
     def record_refit(self, lane_labels: Sequence[str]) -> None:
         """The boundaries were re-fitted: count it and label lanes afresh (per-lane windows
