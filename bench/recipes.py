@@ -513,6 +513,12 @@ script_recipe(
     "--requests", "300",
 )  # fmt: skip
 script_recipe(
+    "request-cost-ab", "request_cost_ab.py",
+    "CPU per one-input request, this tree against --against SRC: both servers up, blocks "
+    "alternated, paired ratios (request_cost.md).",
+    "--blocks", "16",
+)  # fmt: skip
+script_recipe(
     "hot-route", "hot_route.py",
     "The hot /v1/embeddings route against FastAPI's: loop CPU per call, A/B (request_cost.md).",
     "--blocks", "30",
