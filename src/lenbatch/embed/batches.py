@@ -61,10 +61,46 @@ __all__ = [
     "Prepared",
     "Refused",
     "Returned",
+    "Rows",
     "Started",
 ]
 
 Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A batch's token rows as the event loop hands them to a worker thread, which lays them
+    out (`Prepared`: packed if `packed`, else padded to `pad_to` or the longest row), with the
+    token accounting the engine records, from the lengths alone.
+
+    The layout is built in the worker, not on the loop: its numpy calls release the GIL, and
+    with the runner threads busy the loop paid to take it back. At saturation that made
+    collation cost the loop 173 us a batch against 24 us alone (Intel Xeon family 6 model 167,
+    2 cores; bench/results/request_cost.md)."""
+
+    seqs: list[list[int]]
+    segments: list[list[int] | None] | None
+    pad_to: int | None
+    packed: bool
+    lengths: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        """The longest row, or the lane's fixed length for a padded batch that has one."""
+        longest = max(self.lengths)
+        return longest if self.packed or self.pad_to is None else max(self.pad_to, longest)
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens that carry input."""
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the model computes: the real ones packed, rows x width padded."""
+        return self.real_tokens if self.packed else len(self.lengths) * self.width
+
 
 log = logging.getLogger("lenbatch.embed.batches")
 
@@ -217,8 +253,6 @@ class BatchRunner:
         `failed()` says whether the runner has been declared failed (then nothing more runs);
         `wanted(r)` whether request `r` still awaits its answer (not cancelled, not ended).
         """
-        # Prepared while an earlier batch may still be running (prefetch).
-        prepared = self.collate(batch.requests, pad_to)
         async with self.slots:
             if failed():
                 yield Refused(list(batch.requests))
@@ -236,9 +270,8 @@ class BatchRunner:
                 yield Expired(expired)
             if not live:
                 return
-            if len(live) != len(batch.requests):
-                prepared = self.collate(live, pad_to)
-            async for event in self._call(batch.lane, live, prepared, pad_to, failed, wanted):
+            rows = self.collate(live, pad_to)
+            async for event in self._call(batch.lane, live, rows, pad_to, failed, wanted):
                 yield event
 
     async def warm(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> None:
@@ -249,17 +282,22 @@ class BatchRunner:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self.executor, self._model_call, prepared)
 
-    def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Prepared:
-        """The batch of `requests` as the runner takes it: packed if it runs padding-free
-        (then a lane's fixed length means nothing: a packed batch computes its real tokens
-        only), else padded (to `pad_to` if the lane fixes a length). A pair's segment ids go
-        with its tokens."""
+    def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Rows:
+        """The batch of `requests` as the runner will take it (laid out in the worker thread,
+        `Rows`): packed if it runs padding-free (then a lane's fixed length means nothing: a
+        packed batch computes its real tokens only), else padded (to `pad_to` if the lane
+        fixes a length). A pair's segment ids go with its tokens."""
         seqs = [r.token_ids or [] for r in requests]
         types = [r.token_type_ids for r in requests]
         segments = types if any(t is not None for t in types) else None
-        if self.packed_runner is not None:
-            return pack(seqs, segments)
-        return self.pad(seqs, pad_to, segments)
+        lengths = tuple(len(x) for x in seqs)
+        return Rows(seqs, segments, pad_to, self.packed_runner is not None, lengths)
+
+    def _lay_out(self, rows: Rows) -> Prepared:
+        """(Worker thread) `rows` as the runner takes them: packed, or padded."""
+        if rows.packed:
+            return pack(rows.seqs, rows.segments)
+        return self.pad(rows.seqs, rows.pad_to, rows.segments)
 
     def pad(
         self,
@@ -278,10 +316,14 @@ class BatchRunner:
             segments=segments,
         )
 
-    def _model_call(self, batch: Prepared, turn: Turn | None = None) -> npt.NDArray[np.float32]:
-        """Run one prepared batch on the runner (in a worker thread), on budget `turn`."""
+    def _model_call(
+        self, batch: Prepared | Rows, turn: Turn | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Run one batch on the runner (in a worker thread), on budget `turn`."""
         self._turn.turn = turn
         try:
+            if isinstance(batch, Rows):
+                batch = self._lay_out(batch)
             if isinstance(batch, Packed):
                 assert self.packed_runner is not None
                 return self.packed_runner.embed_packed(batch)
@@ -293,7 +335,7 @@ class BatchRunner:
         self,
         lane: int,
         live: list[Request[Any]],
-        batch: Prepared,
+        batch: Rows,
         pad_to: int | None,
         failed: Callable[[], bool],
         wanted: Callable[[Request[Any]], bool],
@@ -354,7 +396,7 @@ class BatchRunner:
             batch.real_tokens,
             batch.padded_tokens,
             batch.width,
-            isinstance(batch, Packed),
+            batch.packed,
         )
 
     async def _within(self, running: asyncio.Future[Any], limit: float, turn: Turn | None) -> bool:
