@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from lenbatch.core.collate import collate, pack
-from lenbatch.embed.batches import Rows
+from lenbatch.core.collate import Rows, collate, pack
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Collated", "Packed", "collate", "pack", "pack_collated"]
+__all__ = ["Collated", "Packed", "Rows", "collate", "pack", "pack_collated"]
 
 PadSide = Literal["right", "left"]
 
@@ -207,6 +207,34 @@ def pack(
             count=int(offsets[-1]),
         )
     return Packed(ids, positions, row_ids, slots, offsets, lengths, types)
+
+
+@dataclass(frozen=True, slots=True)
+class Rows(_TokenAccounting):
+    """A batch's token rows before their layout (`Packed` if `packed`, else `Collated`, padded
+    to `pad_to` or the longest row), with the same token accounting, from the lengths alone.
+
+    The engine hands these to its worker thread, which builds the layout there: numpy's calls
+    release the GIL, and on the event loop, with the runner threads busy, taking it back made
+    collation cost the loop 173 us a batch against 24 us alone at saturation (Intel Xeon
+    family 6 model 167, 2 cores; bench/results/request_cost.md)."""
+
+    seqs: list[list[int]]
+    segments: list[list[int] | None] | None
+    pad_to: int | None
+    packed: bool
+    lengths: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        """The longest row, or the lane's fixed length for a padded batch that has one."""
+        longest = max(self.lengths)
+        return longest if self.packed or self.pad_to is None else max(self.pad_to, longest)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the model computes: the real ones packed, rows x width padded."""
+        return self.real_tokens if self.packed else self.rows * self.width
 
 
 def pack_collated(batch: Collated) -> Packed:

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from lenbatch.config import RecoveryConfig
 from lenbatch.core.batch import Batch
 from lenbatch.core.clock import Clock
-from lenbatch.core.collate import Collated, Packed, collate, pack
+from lenbatch.core.collate import Collated, Packed, Rows, collate, pack
 from lenbatch.core.errors import (
     LenbatchError,
     ModelFailed,
@@ -61,45 +61,10 @@ __all__ = [
     "Prepared",
     "Refused",
     "Returned",
-    "Rows",
     "Started",
 ]
 
 Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
-
-
-@dataclass(frozen=True, slots=True)
-class Rows:
-    """A batch's token rows as the event loop hands them to a worker thread, which lays them
-    out (`Prepared`: packed if `packed`, else padded to `pad_to` or the longest row), with the
-    token accounting the engine records, from the lengths alone.
-
-    The layout is built in the worker, not on the loop: its numpy calls release the GIL, and
-    with the runner threads busy the loop paid to take it back. At saturation that made
-    collation cost the loop 173 us a batch against 24 us alone (Intel Xeon family 6 model 167,
-    2 cores; bench/results/request_cost.md)."""
-
-    seqs: list[list[int]]
-    segments: list[list[int] | None] | None
-    pad_to: int | None
-    packed: bool
-    lengths: tuple[int, ...]
-
-    @property
-    def width(self) -> int:
-        """The longest row, or the lane's fixed length for a padded batch that has one."""
-        longest = max(self.lengths)
-        return longest if self.packed or self.pad_to is None else max(self.pad_to, longest)
-
-    @property
-    def real_tokens(self) -> int:
-        """Tokens that carry input."""
-        return sum(self.lengths)
-
-    @property
-    def padded_tokens(self) -> int:
-        """Tokens the model computes: the real ones packed, rows x width padded."""
-        return self.real_tokens if self.packed else len(self.lengths) * self.width
 
 
 log = logging.getLogger("lenbatch.embed.batches")
