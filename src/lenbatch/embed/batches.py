@@ -66,7 +66,6 @@ __all__ = [
 
 Prepared = Collated | Packed  # a batch ready for the runner: padded or packed
 
-
 log = logging.getLogger("lenbatch.embed.batches")
 
 _PROBE_TEXT = "lenbatch probe"  # a fixed, known-good input for checking a failing runner
@@ -242,10 +241,11 @@ class BatchRunner:
     async def warm(self, seqs: Sequence[Sequence[int]], pad_to: int | None) -> None:
         """Run token-id lists as one batch in a runner slot, the vectors discarded: the
         engine's warm-up (`embed/warmup.py`) before it serves."""
-        prepared = pack(seqs) if self.packed_runner is not None else self.pad(seqs, pad_to)
+        rows = [list(x) for x in seqs]
+        lengths = tuple(len(x) for x in rows)
+        batch = Rows(rows, None, pad_to, self.packed_runner is not None, lengths)
         async with self.slots:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.executor, self._model_call, prepared)
+            await run_in_worker(self.executor, self._model_call, batch)
 
     def collate(self, requests: Sequence[Request[Any]], pad_to: int | None) -> Rows:
         """The batch of `requests` as the runner will take it (laid out in the worker thread,
