@@ -75,6 +75,12 @@ class BatchingConfig(BaseModel):
     """Batches the runner executes at the same time (1 on a CPU; more on a GPU)."""
     prefetch_batches: int = Field(1, ge=0)
     """Batches formed and collated ahead while the runner is busy."""
+    pin_workers: bool = True
+    """Pin each of the `max_concurrent_batches` worker threads to a core of its own and give a
+    batch to the first idle one, so that a light load's forward passes keep off the event
+    loop's core. Applies where each batch runs one torch thread (`model.torch_threads = 1`)
+    and the process may use exactly as many cores as there are workers (`make serve`'s line on
+    2 cores); elsewhere, and in Ray replicas, the threads run unpinned."""
 
     @model_validator(mode="before")
     @classmethod

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -166,7 +166,7 @@ class BatchRunner:
         self,
         runner: EmbeddingRunner,
         info: ModelInfo,
-        executor: ThreadPoolExecutor,
+        executor: Executor,
         slots: int,
         recovery: RecoveryConfig,
         clock: Clock,

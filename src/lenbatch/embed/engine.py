@@ -111,6 +111,7 @@ class Engine(BaseEngine[Vector]):
             workers=self.batching.max_concurrent_batches,
             name="lenbatch-runner",
             length_log=length_log,
+            pin_workers=self.batching.pin_workers and _one_torch_thread(),
         )
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
@@ -539,6 +540,13 @@ def _future(r: Request[Ticket[Vector]]) -> asyncio.Future[Vector]:
 def _failed_with(r: Request[Ticket[Vector]], err: BaseException) -> bool:
     fut = _future(r)
     return fut.done() and not fut.cancelled() and fut.exception() is err
+
+
+def _one_torch_thread() -> bool:
+    """Whether each model call runs one torch thread (`model.torch_threads = 1`)."""
+    import torch  # the runner has loaded it; the engine's own code does not need it
+
+    return bool(torch.get_num_threads() == 1)
 
 
 def _usable_cores() -> int:

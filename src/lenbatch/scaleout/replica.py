@@ -107,9 +107,11 @@ class EngineReplica(ReplicaShell):
             dtype=m.dtype,
             execution=execution,
         )
+        # Replicas share the machine: pinned, each one's forwards would crowd onto the same core.
+        batching = self.settings.batching.model_copy(update={"pin_workers": False})
         self.engine = Engine(
             runner,
-            self.settings.batching,
+            batching,
             self.settings.admission,
             recovery=self.settings.recovery,
             default_truncate=m.truncate,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from lenbatch.config import AdmissionConfig
@@ -24,6 +24,7 @@ from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState, Lifecycle
 from lenbatch.serving.metrics import Metrics
 from lenbatch.serving.torchthread import torch_executor
+from lenbatch.serving.workers import CoreWorkers, pinnable_cores
 
 __all__ = ["BaseEngine"]
 
@@ -47,6 +48,7 @@ class BaseEngine(Lifecycle[T]):
         name: str,
         length_log: LengthLog | None = None,
         torch_thread: bool = False,
+        pin_workers: bool = False,
     ) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.cfg = lanes.cfg  # what the scheduler runs with now (subclasses may narrow it)
@@ -70,12 +72,17 @@ class BaseEngine(Lifecycle[T]):
         self._name = name
         # `torch_thread`: run units on the process's one torch thread (`serving.torchthread`:
         # the thread the models were loaded on), not on threads of this engine's own.
+        # `pin_workers`: one worker pinned to each core (`serving.workers.CoreWorkers`) where
+        # the workers are as many as the process's usable cores.
         self._shared_executor = torch_thread
-        self._executor = (
-            torch_executor()
-            if torch_thread
-            else ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        )
+        cores = pinnable_cores(workers) if pin_workers and not torch_thread else None
+        self._executor: Executor
+        if torch_thread:
+            self._executor = torch_executor()
+        elif cores is not None:
+            self._executor = CoreWorkers(cores, name)
+        else:
+            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         # Several models in one process: the CPU budget whose turns the model calls take.
