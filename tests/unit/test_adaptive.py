@@ -365,6 +365,56 @@ def test_a_batch_stops_growing_before_it_breaks_a_members_due_time() -> None:
     assert first.size < 21
 
 
+def test_a_member_already_late_does_not_hold_its_batch_back() -> None:
+    """`shed = late`: the head can no longer meet its due time; the rows behind it, which
+    can, still fill the batch (it used to run alone, its due time capping the batch)."""
+    cfg = _cfg()
+    st = _state(cfg, slo=1.0, shed=ShedMode.LATE, late_binding=False)
+    q = Queues(cfg)
+    head = _arrive(q, st, 60, 0.0)
+    for k in range(20):
+        _arrive(q, st, 60, 0.9 + 0.001 * k)
+    d = schedule(q, 0.99, cfg, st)  # the head is due at 1.0, and alone takes ~0.036 s
+    first = d.batches[0]
+    assert first.requests[0] is head and first.size > 1
+    assert 0.99 + TRUE.seconds(first.size, first.padded_len) <= 1.9  # the others' due time
+
+
+def _late_head(
+    st: AdaptiveState, cfg: SchedulerConfig, late_share: float
+) -> tuple[Queues, Request, float]:
+    """A queue whose head, served now, is predicted to finish `late_share` of its 1 s SLO
+    past its due time; the time `now` that says so."""
+    q = Queues(cfg)
+    head = _arrive(q, st, 60, 10.0)
+    now = 11.0 + late_share - TRUE.seconds(1, 60)
+    return q, head, now
+
+
+def test_a_head_barely_late_is_kept_while_the_load_drains_and_shed_under_overload() -> None:
+    """Shedding at a lane's head is a last resort: a request predicted late by 1 % of its SLO
+    is a coin flip worth taking while full batches can serve the arrivals of the last few
+    seconds, and is shed once they cannot (a sustained overload), as is one predicted late by
+    more than the 2 % tolerance."""
+    cfg = _cfg()
+    st = _state(cfg, slo=1.0, late_binding=False)
+    q, head, now = _late_head(st, cfg, 0.01)
+    assert st.drains(now, cfg)
+    d = schedule(q, now, cfg, st)
+    assert head not in d.shed and head in d.batches[0].requests
+    st = _state(cfg, slo=1.0, late_binding=False)
+    q, head, now = _late_head(st, cfg, 0.03)
+    assert schedule(q, now, cfg, st).shed == [head]
+    # 400 requests/s of 60 tokens for the last five seconds: a full batch of 32 takes
+    # ~0.55 s, so full batches serve ~58/s a slot
+    st = _state(cfg, slo=1.0, late_binding=False)
+    for k in range(2000):
+        st.on_arrival(2, 60, 5.0 + k / 400)
+    q, head, now = _late_head(st, cfg, 0.01)
+    assert not st.drains(now, cfg)
+    assert schedule(q, now, cfg, st).shed == [head]
+
+
 def test_a_batch_is_sized_by_what_the_last_batches_measured() -> None:
     """Batches measured twice as slow as the model predicts (`drift`): the batch stops
     growing where it still finishes in time at that speed, not where the bare fit says."""

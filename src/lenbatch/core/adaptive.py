@@ -15,11 +15,16 @@ and may start at `now + ahead` (`ahead`: predicted work still on the runner). Pe
    of every queued request it may jump (`admit`, `core.shedding`). Both scale the model's
    times by `drift`, how much slower or faster the last few batches ran than predicted, and
    by the slowdown the request-side CPU (HTTP, tokenization) causes at the current arrival
-   rate (`core.occupancy`). Each is recorded with what was predicted (`decisions`, in
-   `/stats`). `shed = late` keeps them and serves them late.
+   rate (`core.occupancy`). While full batches can serve the arrivals of the last few seconds
+   (`drains`: a burst on a load that drains), a head predicted late by no more than 2 % of
+   its SLO is kept: a coin flip that `bucketed` takes and often wins (on a 2-core Intel Xeon,
+   bursts at 230/s, six alternated rounds: 90.1 % in time against 88.9 %, with the same
+   goodput at 1.5x and 3x capacity, where the tolerance is off). Each is recorded with what
+   was predicted (`decisions`, in `/stats`). `shed = late` keeps them and serves them late.
 2. **Formation**: each lane's candidate takes its requests in order (strict priority levels,
    FIFO within a level; a request that waited `aging` counts as the top level) up to
-   `max_batch`, the token budget, and while the grown batch still meets every member's due time.
+   `max_batch`, the token budget, and while the grown batch still meets every member's due time
+   that it can still meet (a member already late alone does not hold the batch back).
 3. **Late binding** (`late_binding`): once the runner's batch slots would be busy
    `fill_load` of the time serving requests one by one (below that there is model time to
    spare and waiting only adds latency), a lane short of its target waits to fill, while (a)
@@ -67,6 +72,8 @@ _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
 _DRIFT_ALPHA = 0.2  # weight of the newest batch in the measured / predicted average (~5 batches)
 _QUEUE_DRIFT_ALPHA = 0.05  # the same average over ~20 batches: the speed a queue drains at
+_SHED_TOLERANCE = 0.02  # share of its SLO a request at a lane's head may be predicted late by
+# and still be kept, while full batches can serve the arrivals of the last few seconds
 _DRIFT_MAX = 4.0  # one batch moves the average by at most this factor (a stall is not a trend)
 
 
@@ -240,6 +247,31 @@ class AdaptiveState(Shedding):
         runs at once (`concurrency`: two one-thread batches serve twice the requests)."""
         return self.estimates.load(now) / self.concurrency
 
+    def drains(self, now: float, cfg: SchedulerConfig) -> bool:
+        """Whether full batches can serve the arrivals of the last few seconds: the steady
+        arrival rate (`LaneEstimates.steady_rate`) x a request's share of a full batch of its
+        lane (lanes mixed as the current rates mix them), slowed as the queue's drain is
+        (`queue_drift`, the request-side CPU at the steady rate), within the batches the
+        runner runs at once. A burst on such a load drains; a sustained overload does not."""
+        est = self.estimates
+        steady = est.steady_rate(now)
+        if steady <= 0:
+            return True
+        co = est.cost.coefficients
+        total = share = 0.0
+        for i, lp in enumerate(cfg.lanes):
+            rate = est.rate(i, now)
+            if rate <= 0:
+                continue
+            pad = est.padded[i]
+            cap = max(1, min(lp.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
+            total += rate
+            share += rate * co.seconds(cap, pad) / cap
+        if total <= 0:
+            return True
+        busy = steady * (share / total) * self.queue_drift * self.cpu_slowdown(now, steady=True)
+        return busy < self.concurrency
+
     def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
         """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
         the SLO `slo`, filling only while one more row pays (`fill_gain`)."""
@@ -293,6 +325,7 @@ class AdaptiveState(Shedding):
         # as the request-side CPU slows them now, as shedding does: a batch the bare fit says
         # is in time would otherwise run its last members late
         scale = self.drift * self.cpu_slowdown(now)
+        tol = _SHED_TOLERANCE if self.drains(now, cfg) else 0.0
         while free > 0 and queues.size:
             busy = queues.inflight_total >= self.concurrency
             ahead = max(0.0, self.backlog_end - now) if busy else 0.0
@@ -306,13 +339,13 @@ class AdaptiveState(Shedding):
                 if lp.quota is not None and queues.inflight[i] >= lp.quota:
                     continue
                 cap = lp.max_batch
-                window = self._head(queues, i, now, start, cap, d, scale)
+                window = self._head(queues, i, now, start, cap, d, scale, tol)
                 if not window:
                     continue
                 members: list[Request] = []
                 pad = 0
                 real = 0
-                min_due = _INF
+                min_due = meet_due = _INF  # the members' first due time; the first they can meet
                 limited = False
                 dead: list[Request] = []
                 for r in window:
@@ -323,13 +356,18 @@ class AdaptiveState(Shedding):
                     if len(members) >= cap or new_pad * (len(members) + 1) > budget_tokens:
                         limited = True
                         break
-                    new_due = min(min_due, pol.due(r))
+                    # one already late alone (kept by the tolerance, or `shed = late`) does
+                    # not hold the batch back: only due times it can still meet do
+                    due = pol.due(r)
+                    late = start + scale * co.seconds(1, r.length) > due
+                    new_meet = meet_due if late else min(meet_due, due)
                     grown = scale * co.seconds(len(members) + 1, new_pad)
-                    if members and start + grown > new_due:
+                    if members and start + grown > new_meet:
                         limited = True  # growing further would break a member's due time
                         break
                     members.append(r)
-                    pad, real, min_due = new_pad, real + r.length, new_due
+                    pad, real, meet_due = new_pad, real + r.length, new_meet
+                    min_due = min(min_due, due)
                 if dead:
                     d.expired.extend(dead)
                     queues.remove_many(dead)
@@ -396,11 +434,13 @@ class AdaptiveState(Shedding):
         cap: int,
         d: Decision,
         scale: float,
+        tol: float = 0.0,
     ) -> list[Request]:
         """The lane's first `cap` requests in service order, after taking out those whose
         hard deadline passed (expired) and, unless `shed = late`, those that can no longer
         meet their due time even alone (shed), the model's times multiplied by `scale` (the
-        decision's drift x request-side CPU slowdown)."""
+        decision's drift x request-side CPU slowdown); one predicted late by no more than
+        `tol` of its SLO budget is kept."""
         q = queues.lanes[lane]
         co = self.cost.coefficients
         shed_on = self.policy.shed is not ShedMode.LATE
@@ -411,7 +451,9 @@ class AdaptiveState(Shedding):
                 if r.deadline is not None and r.deadline <= now:
                     d.expired.append(r)
                     gone.append(r)
-                elif start + scale * co.seconds(1, r.length) > self.policy.due(r):
+                elif start + scale * co.seconds(1, r.length) > self.policy.due(r) + tol * (
+                    self.policy.due(r) - r.arrival
+                ):
                     if shed_on:
                         d.shed.append(r)
                         gone.append(r)

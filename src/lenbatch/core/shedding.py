@@ -9,7 +9,8 @@ nothing is in flight) and the queued requests of its own priority level or above
 no later than it (lane by lane in full batches, its own inputs in its lane: `queued_work`);
 queued requests of lower levels or later due times would be served after it. Then its own
 `t(1, len)`. The scheduler sheds a request at the head of its lane that cannot meet its due
-time even alone. `shed = late` refuses nothing: such requests are kept and served late.
+time even alone (within a tolerance of 2 % of its SLO while the load drains:
+`AdaptiveState.drains`). `shed = late` refuses nothing: such requests are kept and served late.
 
 The predictions are kept honest by what the runner measures: each finished batch moves the
 predicted end of the emitted work by its measured minus predicted time, and the shedding
