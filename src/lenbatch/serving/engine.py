@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ from lenbatch.serving.torchthread import torch_executor
 from lenbatch.serving.workers import CoreWorkers, pinnable_cores
 
 __all__ = ["BaseEngine"]
+
+log = logging.getLogger("lenbatch.serving.engine")
 
 T = TypeVar("T")
 
@@ -81,6 +84,11 @@ class BaseEngine(Lifecycle[T]):
             self._executor = torch_executor()
         elif cores is not None:
             self._executor = CoreWorkers(cores, name)
+            log.info(
+                "batch workers: one per core, pinned to cores %s; a batch goes to the first "
+                "idle one (batching.pin_workers)",
+                ", ".join(map(str, cores)),
+            )
         else:
             self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._wakeup: asyncio.Event | None = None
