@@ -63,7 +63,7 @@ from lenbatch.core.lanes import SchedulerConfig
 from lenbatch.core.occupancy import RequestCpu
 from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
-from lenbatch.core.shedding import Shedding
+from lenbatch.core.shedding import Shedding, full_rows
 from lenbatch.core.slo import AdaptivePolicy, check_slo, derive_slo
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "build_state", "check_slo", "derive_slo"]
@@ -247,38 +247,13 @@ class AdaptiveState(Shedding):
         runs at once (`concurrency`: two one-thread batches serve twice the requests)."""
         return self.estimates.load(now) / self.concurrency
 
-    def drains(self, now: float, cfg: SchedulerConfig) -> bool:
-        """Whether full batches can serve the arrivals of the last few seconds: the steady
-        arrival rate (`LaneEstimates.steady_rate`) x a request's share of a full batch of its
-        lane (lanes mixed as the current rates mix them), slowed as the queue's drain is
-        (`queue_drift`, the request-side CPU at the steady rate), within the batches the
-        runner runs at once. A burst on such a load drains; a sustained overload does not."""
-        est = self.estimates
-        steady = est.steady_rate(now)
-        if steady <= 0:
-            return True
-        co = est.cost.coefficients
-        total = share = 0.0
-        for i, lp in enumerate(cfg.lanes):
-            rate = est.rate(i, now)
-            if rate <= 0:
-                continue
-            pad = est.padded[i]
-            cap = max(1, min(lp.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
-            total += rate
-            share += rate * co.seconds(cap, pad) / cap
-        if total <= 0:
-            return True
-        busy = steady * (share / total) * self.queue_drift * self.cpu_slowdown(now, steady=True)
-        return busy < self.concurrency
-
     def target_batch(self, lane: int, cfg: SchedulerConfig, now: float, slo: float) -> int:
         """The batch `lane` waits for: largest `b` with `t(b, L) + (b - 1) / rate` within half
         the SLO `slo`, filling only while one more row pays (`fill_gain`)."""
         pol = cfg.lanes[lane]
         est = self.estimates
         pad = est.padded[lane]
-        cap = max(1, min(pol.max_batch, int(cfg.max_batch_tokens // max(pad, 1.0))))
+        cap = full_rows(pol.max_batch, cfg.max_batch_tokens, pad)
         lam = est.last_rate[lane]  # as of the lane's last arrival: see `fill_window`
         if lam <= 0:
             return 1

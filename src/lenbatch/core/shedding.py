@@ -55,7 +55,12 @@ from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.core.slo import AdaptivePolicy
 
-__all__ = ["Shedding"]
+__all__ = ["Shedding", "full_rows"]
+
+
+def full_rows(max_batch: int, max_batch_tokens: int, padded_len: float) -> int:
+    """Rows in a full batch of a lane: its row cap, or the token budget at `padded_len`."""
+    return max(1, min(max_batch, int(max_batch_tokens // max(padded_len, 1.0))))
 
 
 class Shedding:
@@ -89,6 +94,31 @@ class Shedding:
             return 0.0
         return max(0.0, self.backlog_end - now)
 
+    def drains(self, now: float, cfg: SchedulerConfig) -> bool:
+        """Whether full batches can serve the arrivals of the last few seconds: the steady
+        arrival rate (`LaneEstimates.steady_rate`) x a request's share of a full batch of its
+        lane (lanes mixed as the current rates mix them), slowed as the queue's drain is
+        (`queue_drift`, the request-side CPU at the steady rate), within the batches the
+        runner runs at once. A burst on such a load drains; a sustained overload does not."""
+        est = self.estimates
+        steady = est.steady_rate(now)
+        if steady <= 0:
+            return True
+        co = est.cost.coefficients
+        total = share = 0.0
+        for i, lp in enumerate(cfg.lanes):
+            rate = est.rate(i, now)
+            if rate <= 0:
+                continue
+            pad = est.padded[i]
+            cap = full_rows(lp.max_batch, cfg.max_batch_tokens, pad)
+            total += rate
+            share += rate * co.seconds(cap, pad) / cap
+        if total <= 0:
+            return True
+        busy = steady * (share / total) * self.queue_drift * self.cpu_slowdown(now, steady=True)
+        return busy < self.concurrency
+
     def queued_work(
         self,
         queues: Queues,
@@ -121,9 +151,8 @@ class Shedding:
             n += own.get(i, 0)
             if not n:
                 continue
-            cap = cfg.lanes[i].max_batch
             pad = padded[i]
-            cap = max(1, min(cap, int(cfg.max_batch_tokens // max(pad, 1.0))))
+            cap = full_rows(cfg.lanes[i].max_batch, cfg.max_batch_tokens, pad)
             full, rest = divmod(n, cap)
             work += full * co.seconds(cap, pad)
             if rest:
