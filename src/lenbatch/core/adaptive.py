@@ -301,6 +301,7 @@ class AdaptiveState(Shedding):
         # is in time would otherwise run its last members late
         scale = self.drift * self.cpu_slowdown(now)
         tol = _SHED_TOLERANCE if self.drains(now, cfg) else 0.0
+        keep_late = tol > 0 or pol.shed is ShedMode.LATE  # heads late alone may be batched
         while free > 0 and queues.size:
             busy = queues.inflight_total >= self.concurrency
             ahead = max(0.0, self.backlog_end - now) if busy else 0.0
@@ -334,7 +335,7 @@ class AdaptiveState(Shedding):
                     # one already late alone (kept by the tolerance, or `shed = late`) does
                     # not hold the batch back: only due times it can still meet do
                     due = pol.due(r)
-                    late = start + scale * co.seconds(1, r.length) > due
+                    late = keep_late and start + scale * co.seconds(1, r.length) > due
                     new_meet = meet_due if late else min(meet_due, due)
                     grown = scale * co.seconds(len(members) + 1, new_pad)
                     if members and start + grown > new_meet:
