@@ -104,3 +104,43 @@ def test_shipped_tuned_config_loads() -> None:
     assert s.batching.strategy is Strategy.BUCKETED
     sc = resolve_scheduler(s.batching, 256)
     assert sc.boundaries and sc.boundaries[-1] <= 256
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "threads"), [(1, 1, 1), (2, 2, 1), (4, 4, 1), (16, 8, 2), (20, 8, 2)]
+)
+def test_cpu_layout_fills_one_worker_per_core_where_none_is_given(
+    cores: int, workers: int, threads: int
+) -> None:
+    """Neither the thread count nor the concurrency given: one single-threaded worker per core,
+    up to AUTO_MAX_WORKERS, whose torch threads then share the cores."""
+    s = load_settings(None, {}).with_cpu_layout(cores)
+    assert (s.batching.max_concurrent_batches, s.model.torch_threads) == (workers, threads)
+    assert s.batching.max_batch == BatchingConfig().max_batch  # nothing else moves
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LENBATCH_MODEL__TORCH_THREADS": "2"},
+        {"LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES": "1"},
+        {"LENBATCH_MODEL__DEVICE": "cuda"},
+    ],
+)
+def test_cpu_layout_keeps_a_given_layout_and_other_devices(env: dict[str, str]) -> None:
+    s = load_settings(None, env)
+    assert s.with_cpu_layout(2) == s
+
+
+def test_cpu_layout_given_in_a_file_is_kept_and_several_models_take_turns(tmp_path: Path) -> None:
+    """A file naming either half of the layout keeps both as given; several models share one
+    budget of turns (one call at a time), so their layout stays torch's default."""
+    f = tmp_path / "c.toml"
+    f.write_text("[model]\ntorch_threads = 2\n")
+    s = load_settings(f, {})
+    laid = s.with_cpu_layout(2)
+    assert (laid.model.torch_threads, laid.batching.max_concurrent_batches) == (2, 1)
+    several = load_settings(None, {}, {"models": [{"name": "a"}, {"name": "b"}]})
+    assert several.with_cpu_layout(2) == several
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "minilm-azure-conv.toml"
+    assert load_settings(shipped, {}).layout_given()

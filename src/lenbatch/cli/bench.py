@@ -222,15 +222,17 @@ def _append_calibration(report: Path, cost_path: str) -> None:
 def served_threads_and_dtype(serve_args: list[str], model: str) -> tuple[int | None, str | None]:
     """The torch thread count (None: torch's default, the same as this process's) and the
     dtype name the bench's `lenbatch serve --model MODEL SERVE_ARGS` runs with, from the same
-    settings merge `serve` does (`--config`, `LENBATCH_*` variables, flags). (None, None)
+    settings merge `serve` does (`--config`, `LENBATCH_*` variables, flags, the automatic
+    batch layout of an encoder served alone). (None, None)
     when the serve arguments do not parse: `serve` itself will say why."""
     from lenbatch.cli.main import build_parser
     from lenbatch.cli.serve import settings_from_args
     from lenbatch.runners.hardware import resolve_precision
+    from lenbatch.serving.workers import usable_cores
 
     try:
         ns = build_parser().parse_args(["serve", "--model", model, *serve_args])
-        m = settings_from_args(ns).model
+        m = settings_from_args(ns).with_cpu_layout(usable_cores()).model
         return m.torch_threads, resolve_precision(m.dtype, m.device).name
     except (SystemExit, ValueError):
         return None, None

@@ -33,15 +33,16 @@ def batching_for(
 
 
 def serve_settings(serve_argv: Sequence[str]) -> Settings:
-    """The settings `lenbatch serve SERVE_ARGV` runs with (the arguments after `serve`, as a
-    bench run record stores them)."""
+    """The settings `lenbatch serve SERVE_ARGV` runs with an encoder alone on this machine
+    (the arguments after `serve`, as a bench run record stores them)."""
     from lenbatch.cli import serve
+    from lenbatch.serving.workers import usable_cores
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", *serve_argv])
     # The environment is part of what `serve` reads; the bench's servers inherit it.
-    return serve.settings_from_args(args)
+    return serve.settings_from_args(args).with_cpu_layout(usable_cores())
 
 
 def make_predictor(

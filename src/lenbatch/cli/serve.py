@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     length_log = LengthLog(settings.server.length_log) if settings.server.length_log else None
     if len(models) == 1:
         one = settings.for_model(models[0])
-        built = build_model(one, length_log)
+        built = build_model(one, length_log, alone=True)
         serve_app(built.app, built.engine, one)
         return 0
     from lenbatch.serving.budget import ComputeBudget
@@ -321,17 +321,19 @@ def _choose_allocator(choice: str, argv: list[str] | None) -> str:
     return choose(choice, command)
 
 
-def build_model(settings: Settings, length_log: Any = None) -> Any:
+def build_model(settings: Settings, length_log: Any = None, *, alone: bool = False) -> Any:
     """One model's engine and the app it has alone, as a `serving.multi.ServedModel` (what
-    `serve` runs, alone or beside other models). Built on the process's torch thread
-    (`serving.torchthread`), so the main thread, which runs the event loop, never starts an
-    OpenMP pool of its own and the generation engine runs on the thread that loaded it."""
+    `serve` runs, alone or beside other models). An encoder served `alone` on a CPU takes the
+    automatic batch layout where none is given (`Settings.with_cpu_layout`). Built on the
+    process's torch thread (`serving.torchthread`), so the main thread, which runs the event
+    loop, never starts an OpenMP pool of its own and the generation engine runs on the thread
+    that loaded it."""
     from lenbatch.serving.torchthread import on_torch_thread
 
-    return on_torch_thread(_build_model, settings, length_log)
+    return on_torch_thread(_build_model, settings, length_log, alone)
 
 
-def _build_model(settings: Settings, length_log: Any = None) -> Any:
+def _build_model(settings: Settings, length_log: Any = None, alone: bool = False) -> Any:
     from lenbatch.runners import load_runner
     from lenbatch.runners.causal import resolve_causal_model
     from lenbatch.runners.tasks import resolve_task
@@ -343,6 +345,9 @@ def _build_model(settings: Settings, length_log: Any = None) -> Any:
         app, gen_engine = _llm_app(settings, causal, length_log)
         name = settings.server.served_model_name or gen_engine.info.name
         return ServedModel(name, ["generate"], gen_engine, app, {m.name, gen_engine.info.name})
+    if alone:
+        settings = _cpu_layout(settings)
+        m = settings.model
     execution = m.execution
     if execution == "auto" and settings.batching.strategy is Strategy.STATIC:
         # `static` pads every batch to the model limit on purpose (the naive baseline): a
@@ -530,6 +535,21 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings, runner.text), engine
+
+
+def _cpu_layout(settings: Settings) -> Settings:
+    """`settings` with the automatic CPU batch layout where none is given, said in the log."""
+    from lenbatch.serving.workers import usable_cores
+
+    laid = settings.with_cpu_layout(usable_cores())
+    if laid is not settings:
+        log.info(
+            "batch layout: %d batches at once on %d torch thread(s) each, one per usable core "
+            "(set model.torch_threads or batching.max_concurrent_batches to choose another)",
+            laid.batching.max_concurrent_batches,
+            laid.model.torch_threads,
+        )
+    return laid
 
 
 def _runner_options(m: Any) -> dict[str, Any]:

@@ -67,7 +67,10 @@ def add_sim_options(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Config file, environment and flags merged as `serve` merges them."""
+    """Config file, environment and flags merged as `serve` merges them, with the batch layout
+    `serve` would pick on this machine where none is given (`Settings.with_cpu_layout`)."""
+    from lenbatch.serving.workers import usable_cores
+
     overrides: dict[str, Any] = {
         "model": {"max_length": args.max_length, "truncate": args.truncate},
         "batching": {
@@ -76,7 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         },
         "adaptive": adaptive_overrides(args),
     }
-    return load_settings(args.config, os.environ, overrides)
+    return load_settings(args.config, os.environ, overrides).with_cpu_layout(usable_cores())
 
 
 def _run_dtype(settings: Settings) -> str | None:

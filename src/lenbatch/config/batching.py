@@ -72,7 +72,9 @@ class BatchingConfig(BaseModel):
     sorted_window: int = Field(128, ge=1)
     """`sorted`: how many queued requests are sorted together before cutting batches."""
     max_concurrent_batches: int = Field(1, ge=1)
-    """Batches the runner executes at the same time (1 on a CPU; more on a GPU)."""
+    """Batches the runner executes at the same time. Where neither this nor
+    `model.torch_threads` is given, an encoder served alone on a CPU runs one batch per usable
+    core (up to 8), each on one torch thread (`serve` says so in its log); otherwise 1."""
     prefetch_batches: int = Field(1, ge=0)
     """Batches formed and collated ahead while the runner is busy."""
     pin_workers: bool = True

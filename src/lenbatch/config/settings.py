@@ -22,7 +22,12 @@ from lenbatch.config.serving import (
     ServerConfig,
 )
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["AUTO_MAX_WORKERS", "Settings", "load_settings"]
+
+# Most batch workers the CPU layout picks by itself (`Settings.with_cpu_layout`). Each worker is
+# a Python thread: past a few, their turns on the GIL between torch ops start to delay the
+# event loop. Measured on 2 cores only; above 8 cores each worker runs several torch threads.
+AUTO_MAX_WORKERS = 8
 
 
 class Settings(BaseModel):
@@ -48,6 +53,36 @@ class Settings(BaseModel):
     recovery: RecoveryConfig = RecoveryConfig()
     generation: GenerationConfig = GenerationConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
+
+    def layout_given(self) -> bool:
+        """Whether the config, environment or flags set the CPU batch layout
+        (`model.torch_threads` or `batching.max_concurrent_batches`)."""
+        return (
+            "torch_threads" in self.model.model_fields_set
+            or "max_concurrent_batches" in self.batching.model_fields_set
+        )
+
+    def with_cpu_layout(self, cores: int) -> Settings:
+        """These settings with the batch layout filled in for one encoder served alone on a
+        CPU with `cores` usable cores, where none was given (`layout_given`): one batch worker
+        per core (up to `AUTO_MAX_WORKERS`), each running its batch on `cores // workers` torch
+        threads. Unchanged for several models (their calls take turns on one budget), another
+        device, or a layout given.
+
+        Why: one batch on every core pays the OpenMP team's wake-up and spin on each call,
+        which on 2 cores competes with the event loop for the second core; one thread per batch
+        runs two batches at once instead, at the same tokens/s and a lower P95 under load
+        (`bench/results/runners_cpu.md`, `request_cost.md`)."""
+        if self.models or self.model.device != "cpu" or self.layout_given():
+            return self
+        workers = max(1, min(cores, AUTO_MAX_WORKERS))
+        threads = max(1, cores // workers)
+        return self.model_copy(
+            update={
+                "model": self.model.model_copy(update={"torch_threads": threads}),
+                "batching": self.batching.model_copy(update={"max_concurrent_batches": workers}),
+            }
+        )
 
     @model_validator(mode="after")
     def _one_way_to_name_models(self) -> Settings:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -74,6 +73,7 @@ from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState
 from lenbatch.serving.messages import CallOptions, Embedded, Inputs, Vector
 from lenbatch.serving.servercpu import request_side_cpu_s
+from lenbatch.serving.workers import usable_cores
 
 __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 
@@ -145,7 +145,7 @@ class Engine(BaseEngine[Vector]):
                 lanes.cfg,
                 longest=self.admission.longest_admissible(),
                 concurrency=self.batching.max_concurrent_batches,
-                cores=_usable_cores(),
+                cores=usable_cores(),
             )
         # Online re-fit of the boundaries (adaptive; always on with boundaries = "auto").
         self.refit: LiveRefit | None = None
@@ -547,10 +547,3 @@ def _one_torch_thread() -> bool:
     import torch  # the runner has loaded it; the engine's own code does not need it
 
     return bool(torch.get_num_threads() == 1)
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

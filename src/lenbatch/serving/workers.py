@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-__all__ = ["CoreWorkers", "pinnable_cores", "run_in_worker"]
+__all__ = ["CoreWorkers", "pinnable_cores", "run_in_worker", "usable_cores"]
 
 T = TypeVar("T")
 
@@ -77,6 +77,13 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
 
 
 _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def pinnable_cores(workers: int) -> list[int] | None:
