@@ -498,11 +498,17 @@ def test_bench_looks_the_cost_up_under_the_servers_thread_count(
     from lenbatch.cli.bench import served_threads_and_dtype
     from lenbatch.cli.common import pin_cost_spec
     from lenbatch.runners import hardware
+    from lenbatch.serving.workers import usable_cores
 
     config = tmp_path / "one-thread.toml"
     config.write_text('[model]\ntorch_threads = 1\ndtype = "float32"\n')
     threads, dtype = served_threads_and_dtype(["--config", str(config)], "minilm")
     assert (threads, dtype) == (1, "float32")
+    # No layout given: the servers run the one `serve` picks here (one thread per batch on up
+    # to 8 cores); a layout given in part leaves the threads at torch's default.
+    cores = usable_cores()
+    assert served_threads_and_dtype([], "minilm")[0] == max(1, cores // min(cores, 8))
+    monkeypatch.setenv("LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES", "1")
     assert served_threads_and_dtype([], "minilm")[0] is None
     assert served_threads_and_dtype(["--no-such-flag"], "minilm") == (None, None)
 
