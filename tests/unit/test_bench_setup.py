@@ -504,12 +504,12 @@ def test_bench_looks_the_cost_up_under_the_servers_thread_count(
     config.write_text('[model]\ntorch_threads = 1\ndtype = "float32"\n')
     threads, dtype = served_threads_and_dtype(["--config", str(config)], "minilm")
     assert (threads, dtype) == (1, "float32")
-    # No layout given: the servers run the one `serve` picks here (one thread per batch on up
-    # to 8 cores); a layout given in part leaves the threads at torch's default.
+    # No thread count given: the servers run the layout `serve` picks here (one thread per
+    # batch on up to 8 cores; the cores shared among the batches a config gives).
     cores = usable_cores()
     assert served_threads_and_dtype([], "minilm")[0] == max(1, cores // min(cores, 8))
     monkeypatch.setenv("LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES", "1")
-    assert served_threads_and_dtype([], "minilm")[0] is None
+    assert served_threads_and_dtype([], "minilm")[0] == cores
     assert served_threads_and_dtype(["--no-such-flag"], "minilm") == (None, None)
 
     folder = tmp_path / "costs"

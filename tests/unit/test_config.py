@@ -120,21 +120,35 @@ def test_cpu_layout_fills_one_worker_per_core_where_none_is_given(
 
 
 @pytest.mark.parametrize(
+    ("cores", "batches", "threads"), [(2, 1, 2), (2, 2, 1), (8, 2, 4), (2, 4, 1)]
+)
+def test_cpu_layout_shares_the_cores_among_the_batches_given(
+    cores: int, batches: int, threads: int
+) -> None:
+    """Batches given without a thread count get the cores split among them, never torch's
+    default team per batch (which `lenbatch tune`'s written `[batching]` would otherwise get)."""
+    env = {"LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES": str(batches)}
+    s = load_settings(None, env).with_cpu_layout(cores)
+    assert (s.batching.max_concurrent_batches, s.model.torch_threads) == (batches, threads)
+
+
+@pytest.mark.parametrize(
     "env",
     [
         {"LENBATCH_MODEL__TORCH_THREADS": "2"},
-        {"LENBATCH_BATCHING__MAX_CONCURRENT_BATCHES": "1"},
+        {"LENBATCH_MODEL__TORCH_THREADS": "1"},
         {"LENBATCH_MODEL__DEVICE": "cuda"},
     ],
 )
-def test_cpu_layout_keeps_a_given_layout_and_other_devices(env: dict[str, str]) -> None:
+def test_cpu_layout_keeps_a_thread_count_given_and_other_devices(env: dict[str, str]) -> None:
+    """A thread count alone holds the server to part of a shared CPU: one batch at a time."""
     s = load_settings(None, env)
     assert s.with_cpu_layout(2) == s
 
 
 def test_cpu_layout_given_in_a_file_is_kept_and_several_models_take_turns(tmp_path: Path) -> None:
-    """A file naming either half of the layout keeps both as given; several models share one
-    budget of turns (one call at a time), so their layout stays torch's default."""
+    """A file naming the thread count keeps it; several models share one budget of turns (one
+    call at a time), so their layout stays torch's default."""
     f = tmp_path / "c.toml"
     f.write_text("[model]\ntorch_threads = 2\n")
     s = load_settings(f, {})
@@ -143,4 +157,5 @@ def test_cpu_layout_given_in_a_file_is_kept_and_several_models_take_turns(tmp_pa
     several = load_settings(None, {}, {"models": [{"name": "a"}, {"name": "b"}]})
     assert several.with_cpu_layout(2) == several
     shipped = Path(__file__).resolve().parents[2] / "configs" / "minilm-azure-conv.toml"
-    assert load_settings(shipped, {}).layout_given()
+    tuned = load_settings(shipped, {})
+    assert tuned.with_cpu_layout(2) == tuned

@@ -538,16 +538,19 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
 
 
 def _cpu_layout(settings: Settings) -> Settings:
-    """`settings` with the automatic CPU batch layout where none is given, said in the log."""
+    """`settings` with the CPU batch layout filled in where the thread count is not given
+    (`Settings.with_cpu_layout`), said in the log."""
     from lenbatch.serving.workers import usable_cores
 
-    laid = settings.with_cpu_layout(usable_cores())
+    cores = usable_cores()
+    laid = settings.with_cpu_layout(cores)
     if laid is not settings:
         log.info(
-            "batch layout: %d batches at once on %d torch thread(s) each, one per usable core "
-            "(set model.torch_threads or batching.max_concurrent_batches to choose another)",
+            "batch layout: %d batches at once on %d torch thread(s) each, on %d usable cores "
+            "(model.torch_threads and batching.max_concurrent_batches choose another)",
             laid.batching.max_concurrent_batches,
             laid.model.torch_threads,
+            cores,
         )
     return laid
 

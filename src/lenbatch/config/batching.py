@@ -74,7 +74,8 @@ class BatchingConfig(BaseModel):
     max_concurrent_batches: int = Field(1, ge=1)
     """Batches the runner executes at the same time. Where neither this nor
     `model.torch_threads` is given, an encoder served alone on a CPU runs one batch per usable
-    core (up to 8), each on one torch thread (`serve` says so in its log); otherwise 1."""
+    core (up to 8), each on one torch thread (`serve` says so in its log); with a thread count
+    given alone, 1."""
     prefetch_batches: int = Field(1, ge=0)
     """Batches formed and collated ahead while the runner is busy."""
     pin_workers: bool = True

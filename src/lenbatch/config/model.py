@@ -58,10 +58,10 @@ class ModelConfig(BaseModel):
     device: str = "cpu"
     """Torch device: cpu, cuda, cuda:1, ..."""
     torch_threads: int | None = Field(None, ge=1)
-    """Intra-op threads for torch on CPU, per batch. Unset, with
-    `batching.max_concurrent_batches` unset too, an encoder served alone runs one thread per
-    batch and one batch per core (past 8 cores, the cores split among 8 batches); otherwise
-    torch's default (every core for one batch)."""
+    """Intra-op threads for torch on CPU, per batch. Unset, an encoder served alone shares the
+    usable cores among the batches that run at once (`batching.max_concurrent_batches`, itself
+    one per core up to 8 when unset): one thread per batch on up to 8 cores. Several models in
+    one process and causal LMs keep torch's default (one thread per core)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""

@@ -54,32 +54,33 @@ class Settings(BaseModel):
     generation: GenerationConfig = GenerationConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
 
-    def layout_given(self) -> bool:
-        """Whether the config, environment or flags set the CPU batch layout
-        (`model.torch_threads` or `batching.max_concurrent_batches`)."""
-        return (
-            "torch_threads" in self.model.model_fields_set
-            or "max_concurrent_batches" in self.batching.model_fields_set
-        )
-
     def with_cpu_layout(self, cores: int) -> Settings:
         """These settings with the batch layout filled in for one encoder served alone on a
-        CPU with `cores` usable cores, where none was given (`layout_given`): one batch worker
-        per core (up to `AUTO_MAX_WORKERS`), each running its batch on `cores // workers` torch
-        threads. Unchanged for several models (their calls take turns on one budget), another
-        device, or a layout given.
+        CPU with `cores` usable cores, where `model.torch_threads` is not given: the cores are
+        shared among the batches that run at once, `cores // batches` torch threads each, and
+        where `batching.max_concurrent_batches` is not given either, one batch per core (up to
+        `AUTO_MAX_WORKERS`). A thread count given alone is kept with one batch at a time: it is
+        how a server is held to part of a shared CPU. Unchanged for several models (their calls
+        take turns on one budget) and other devices.
 
-        Why: one batch on every core pays the OpenMP team's wake-up and spin on each call,
-        which on 2 cores competes with the event loop for the second core; one thread per batch
-        runs two batches at once instead, at the same tokens/s and a lower P95 under load
-        (`bench/results/runners_cpu.md`, `request_cost.md`)."""
-        if self.models or self.model.device != "cpu" or self.layout_given():
+        Why: one batch on every core pays the OpenMP team's wake-up and spin on each call, and
+        on 2 cores that competes with the event loop for the second core; two batches on one
+        thread each served 1.15x the tokens/s with a far lower P95 under load
+        (`bench/results/cpu_layout.md`). And batches given without a thread count would each
+        start torch's default team of one thread per core: more threads than cores."""
+        if (
+            self.models
+            or self.model.device != "cpu"
+            or "torch_threads" in self.model.model_fields_set
+        ):
             return self
-        workers = max(1, min(cores, AUTO_MAX_WORKERS))
-        threads = max(1, cores // workers)
+        if "max_concurrent_batches" in self.batching.model_fields_set:
+            workers = self.batching.max_concurrent_batches
+        else:
+            workers = max(1, min(cores, AUTO_MAX_WORKERS))
         return self.model_copy(
             update={
-                "model": self.model.model_copy(update={"torch_threads": threads}),
+                "model": self.model.model_copy(update={"torch_threads": max(1, cores // workers)}),
                 "batching": self.batching.model_copy(update={"max_concurrent_batches": workers}),
             }
         )
