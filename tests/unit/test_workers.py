@@ -183,15 +183,21 @@ def test_workers_are_pinned_only_when_they_match_the_usable_cores() -> None:
 def test_the_engine_pins_its_workers_with_one_torch_thread_each(
     monkeypatch: pytest.MonkeyPatch, pin: bool
 ) -> None:
-    monkeypatch.setattr(embed_engine, "_one_torch_thread", lambda: True)
+    monkeypatch.setattr(embed_engine, "_torch_threads", lambda: 1)
     batching = BatchingConfig(max_concurrent_batches=len(_CORES), pin_workers=pin)
     engine = Engine(FakeRunner(), batching)
     try:
         assert isinstance(engine._executor, CoreWorkers) is pin
         assert engine.batches.executor is engine._executor
+        assert engine.stats()["workers"] == {
+            "batches_at_once": len(_CORES),
+            "pinned_cores": _CORES if pin else None,
+            "torch_threads": 1,
+        }
     finally:
         engine._executor.shutdown()
-    monkeypatch.setattr(embed_engine, "_one_torch_thread", lambda: False)  # a team per call
+    monkeypatch.setattr(embed_engine, "_torch_threads", lambda: 2)  # a team per call
     engine = Engine(FakeRunner(), batching)
     assert isinstance(engine._executor, ThreadPoolExecutor)
+    assert engine.stats()["workers"]["pinned_cores"] is None
     engine._executor.shutdown()

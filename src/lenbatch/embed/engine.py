@@ -111,8 +111,9 @@ class Engine(BaseEngine[Vector]):
             workers=self.batching.max_concurrent_batches,
             name="lenbatch-runner",
             length_log=length_log,
-            pin_workers=self.batching.pin_workers and _one_torch_thread(),
+            pin_workers=self.batching.pin_workers and _torch_threads() == 1,
         )
+        self.workers_info["torch_threads"] = _torch_threads()
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
         self.batches = BatchRunner(
@@ -542,8 +543,8 @@ def _failed_with(r: Request[Ticket[Vector]], err: BaseException) -> bool:
     return fut.done() and not fut.cancelled() and fut.exception() is err
 
 
-def _one_torch_thread() -> bool:
-    """Whether each model call runs one torch thread (`model.torch_threads = 1`)."""
+def _torch_threads() -> int:
+    """The torch threads each model call runs (`model.torch_threads`, else torch's default)."""
     import torch  # the runner has loaded it; the engine's own code does not need it
 
-    return bool(torch.get_num_threads() == 1)
+    return int(torch.get_num_threads())

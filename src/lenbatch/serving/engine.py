@@ -80,6 +80,11 @@ class BaseEngine(Lifecycle[T]):
         self._shared_executor = torch_thread
         cores = pinnable_cores(workers) if pin_workers and not torch_thread else None
         self._executor: Executor
+        # what /stats says of where model calls run (an engine adds its torch threads)
+        self.workers_info: dict[str, Any] = {
+            "batches_at_once": 1 if torch_thread else workers,
+            "pinned_cores": cores,
+        }
         if torch_thread:
             self._executor = torch_executor()
         elif cores is not None:
@@ -204,6 +209,7 @@ class BaseEngine(Lifecycle[T]):
         out["default_boundaries"] = self.uses_default_boundaries
         out["queue_depths"] = self.queues.depths()
         out["unanswered"] = self.unanswered
+        out["workers"] = dict(self.workers_info)
         out.update(self._extra_stats())
         return out
 
