@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
+from lenbatch.cli.build import build_model
 from lenbatch.cli.main import main
-from lenbatch.cli.serve import build_model
 from lenbatch.config import Settings
 from lenbatch.runners import resolve_model
 from lenbatch.serving.budget import ComputeBudget

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lenbatch.cli.build import _serve_cost
 from lenbatch.cli.common import load_cost_model
-from lenbatch.cli.serve import _serve_cost
 from lenbatch.core.clock import FakeClock
 from lenbatch.plan.costmodel import CostModel, processor_mismatch
 from lenbatch.plan.costsource import SOURCE_COST_DIR

@@ -188,7 +188,7 @@ def test_adaptive_without_cost_calibrates_and_generic_does_not(
     measures its own (logged); `--cost generic` starts on the prior without measuring."""
     import logging
 
-    from lenbatch.cli.serve import _serve_cost
+    from lenbatch.cli.build import _serve_cost
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
