@@ -41,8 +41,11 @@ def test_labels_and_counts() -> None:
     assert BucketSet((16, 128), max_length=128).labels() == ["1-16", "17-128", "overlong(none)"]
 
 
-def test_default_boundaries_cover_half_the_limit() -> None:
-    """Defaults are powers of two from 16 to half the limit (overlong takes the top half)."""
-    assert default_boundaries(256) == (16, 32, 64, 128)
-    assert default_boundaries(512) == (16, 32, 64, 128, 256)
-    assert default_boundaries(20) == (20,)
+def test_default_boundaries_reach_the_limit() -> None:
+    """Defaults are powers of two from 16 below the limit, then the limit: every input the
+    model takes has a lane of full batches."""
+    assert default_boundaries(256) == (16, 32, 64, 128, 256)
+    assert default_boundaries(512) == (16, 32, 64, 128, 256, 512)
+    assert default_boundaries(384) == (16, 32, 64, 128, 256, 384)
+    assert default_boundaries(20) == (16, 20)
+    assert default_boundaries(8) == (8,)

@@ -53,7 +53,7 @@ def test_several_strategies_give_a_list_with_strategy_keys(
     out = json.loads(capsys.readouterr().out)
     assert [s["strategy"] for s in out] == ["fifo", "bucketed"]
     assert all(s["completed"] == 6 for s in out)
-    assert len(out[1]["per_bucket"]) == 6  # default boundaries 16..256 for 512, + overlong
+    assert len(out[1]["per_bucket"]) == 7  # default boundaries 16..512 for 512, + overlong
 
 
 def test_text_report_names_the_default_boundaries_and_mapping(
@@ -64,7 +64,7 @@ def test_text_report_names_the_default_boundaries_and_mapping(
     argv = ["simulate", trace, "--cost", cost, "--length-scale", "0.5", "--strategy", "all"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "engine's default [16, 32, 64, 128]" in out
+    assert "engine's default [16, 32, 64, 128, 256]" in out
     assert "input lengths x0.5" in out
     for name in ("static", "fifo", "sorted", "bucketed"):
         assert f"{name}, per bucket" in out

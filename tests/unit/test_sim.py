@@ -87,7 +87,7 @@ def test_bucketed_overlong_lane_has_its_own_wait_and_queues_behind_the_runner() 
 def test_default_boundaries_are_the_engines() -> None:
     """No boundaries given: the engine's default for the model limit, and it says so."""
     run = simulate(trace([0.0], [5]), CostModel(const=0.1), BatchingConfig(), max_length=256)
-    assert run.cfg.boundaries == (16, 32, 64, 128)
+    assert run.cfg.boundaries == (16, 32, 64, 128, 256)
     assert run.uses_default_boundaries
 
 

@@ -84,15 +84,23 @@ class BucketSet:
 
 
 def default_boundaries(max_length: int) -> tuple[int, ...]:
-    """Boundaries used when none are configured and none were fitted: powers of two from 16 up
-    to half the model's limit, leaving the top half to the overlong lane.
+    """Boundaries used when none are configured and none were fitted: powers of two from 16
+    below the model's limit, then the limit itself, so that every input the model takes has a
+    lane of full batches and the overlong lane is left to what is longer (none, unless the
+    limit is overridden lower than a lane's).
+
+    The top half of the limit used to be the overlong lane (8 rows a batch, one batch in
+    flight). On long-input traffic (the dev trace at `--length-scale 0.1 --max-length 256`,
+    MiniLM, 2 cores, an Intel Xeon family 6 model 167) that lane held up both its own
+    requests and the workers: with the limit as the last boundary, 1.11x the tokens/s past
+    saturation and half the P95 at a quarter of it (`bench/results/cpu_layout.md`).
 
     This is a placeholder shape, not a fit: `lenbatch fit` derives boundaries from real
     traffic and should replace it.
     """
     out: list[int] = []
     b = 16
-    while b <= max_length // 2:
+    while b < max_length:
         out.append(b)
         b *= 2
-    return tuple(out) or (max_length,)
+    return (*out, max_length)

@@ -5,7 +5,7 @@ A lane is one queue with its own `LanePolicy`: a length bucket, the overlong lan
 queue of the non-bucketed strategies. `resolve_scheduler` turns the user's settings into the
 `SchedulerConfig` that the pure scheduler consumes (plain numbers in seconds and tokens, one
 `LanePolicy` per queue) for a model's length limit. `resolve_lanes` adds, when `bucketed` has no
-boundaries, the placeholder default (powers of two up to half the limit), and names each lane as
+boundaries, the placeholder default (powers of two up to the limit), and names each lane as
 the metrics label it.
 """
 
