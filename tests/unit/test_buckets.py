@@ -49,3 +49,20 @@ def test_default_boundaries_reach_the_limit() -> None:
     assert default_boundaries(384) == (16, 32, 64, 128, 256, 384)
     assert default_boundaries(20) == (16, 20)
     assert default_boundaries(8) == (8,)
+
+
+def test_start_up_line_names_the_overlong_lane_only_where_it_takes_lengths() -> None:
+    """The default boundaries end at the limit: the start-up line says no overlong lane then."""
+    from lenbatch.config import BatchingConfig
+    from lenbatch.embed.engine import Engine
+    from lenbatch.runners.fake import FakeRunner
+
+    default = Engine(FakeRunner())  # the fake's limit is 256
+    lower = Engine(FakeRunner(), BatchingConfig(boundaries=(32, 128)))
+    try:
+        assert "[16, 32, 64, 128, 256] (the default" in default.describe()
+        assert "overlong" not in default.describe()
+        assert "[32, 128] + overlong lane up to 256" in lower.describe()
+    finally:
+        default._executor.shutdown()
+        lower._executor.shutdown()

@@ -189,10 +189,9 @@ class BaseEngine(Lifecycle[T]):
         the placeholder default rather than fitted to traffic)."""
         line = f"strategy {self.cfg.strategy.value}"
         if self.cfg.boundaries:
-            line += (
-                f": boundaries {list(self.cfg.boundaries)} + overlong lane up to "
-                f"{self.cfg.max_length}"
-            )
+            line += f": boundaries {list(self.cfg.boundaries)}"
+            if self.cfg.boundaries[-1] < self.cfg.max_length:
+                line += f" + overlong lane up to {self.cfg.max_length}"
         if self.uses_default_boundaries:
             line += (
                 " (the default for this model, not fitted to your traffic: run `lenbatch fit` "
