@@ -56,24 +56,14 @@ def _build_model(settings: Settings, length_log: Any = None, alone: bool = False
         default_prompt_name=m.default_prompt_name,
         **_runner_options(m),
     )
-    engine = Engine(
+    cost = _serve_cost(
+        m.cost_model,
+        m.device,
         runner,
-        settings.batching,
-        settings.admission,
-        recovery=settings.recovery,
-        default_truncate=m.truncate,
-        length_log=length_log,
-        adaptive=settings.adaptive,
-        cost_prior=_cost_prior(
-            _serve_cost(
-                m.cost_model,
-                m.device,
-                runner,
-                calibrate=settings.batching.strategy is Strategy.ADAPTIVE,
-                max_tokens=settings.batching.max_batch_tokens,
-            )
-        ),
+        calibrate=settings.batching.strategy is Strategy.ADAPTIVE,
+        max_tokens=settings.batching.max_batch_tokens,
     )
+    engine = Engine(runner, **_engine_options(settings, length_log, cost))
     log.info(
         "model %s: max_length=%d dim=%d padding=%s",
         runner.info.name,
@@ -99,16 +89,8 @@ def _build_scorer(settings: Settings, execution: str, length_log: Any) -> Any:
     m = settings.model
     runner = load_runner(m.name, execution=execution, head=True, **_runner_options(m))
     assert isinstance(runner, ScoringRunner)
-    engine = ScoringEngine(
-        runner,
-        settings.batching,
-        settings.admission,
-        recovery=settings.recovery,
-        default_truncate=m.truncate,
-        length_log=length_log,
-        adaptive=settings.adaptive,
-        cost_prior=_cost_prior(_serve_cost(m.cost_model, m.device, runner)),
-    )
+    cost = _serve_cost(m.cost_model, m.device, runner)
+    engine = ScoringEngine(runner, **_engine_options(settings, length_log, cost))
     log.info(
         "model %s: max_length=%d labels=%s activation=%s",
         runner.info.name,
@@ -157,6 +139,20 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
     _log_precision(runner)
     log.info(engine.describe())
     return create_llm_app(engine, settings, runner.text), engine
+
+
+def _engine_options(settings: Settings, length_log: Any, cost: Any) -> dict[str, Any]:
+    """What an encoder engine (`Engine`, `ScoringEngine`) takes besides its runner: the
+    settings' sections, and the cost model it starts from (`_serve_cost`'s)."""
+    return {
+        "batching": settings.batching,
+        "admission": settings.admission,
+        "recovery": settings.recovery,
+        "default_truncate": settings.model.truncate,
+        "length_log": length_log,
+        "adaptive": settings.adaptive,
+        "cost_prior": _cost_prior(cost),
+    }
 
 
 def _cpu_layout(settings: Settings) -> Settings:
