@@ -86,8 +86,7 @@ class BucketSet:
 def default_boundaries(max_length: int) -> tuple[int, ...]:
     """Boundaries used when none are configured and none were fitted: powers of two from 16
     below the model's limit, then the limit itself, so that every input the model takes has a
-    lane of full batches and the overlong lane is left to what is longer (none, unless the
-    limit is overridden lower than a lane's).
+    lane of full batches (the overlong lane then takes nothing).
 
     The top half of the limit used to be the overlong lane (8 rows a batch, one batch in
     flight). On long-input traffic (the dev trace at `--length-scale 0.1 --max-length 256`,

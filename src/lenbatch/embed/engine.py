@@ -103,6 +103,7 @@ class Engine(BaseEngine[Vector]):
         self.recovery = recovery or RecoveryConfig()
         self.default_truncate = default_truncate
         lanes = resolve_lanes(self.batching, self.info.max_length)
+        threads = _torch_threads()
         super().__init__(
             lanes,
             admission,
@@ -111,9 +112,9 @@ class Engine(BaseEngine[Vector]):
             workers=self.batching.max_concurrent_batches,
             name="lenbatch-runner",
             length_log=length_log,
-            pin_workers=self.batching.pin_workers and _torch_threads() == 1,
+            pin_workers=self.batching.pin_workers and threads == 1,
         )
-        self.workers_info["torch_threads"] = _torch_threads()
+        self.workers_info["torch_threads"] = threads
         self.caps = BatchCaps(lanes.cfg, self.recovery.oom_cooldown_s)
         self.metrics.set_batch_caps(self.caps.caps())
         self.batches = BatchRunner(
