@@ -1,7 +1,7 @@
 """One decode step through `CausalLMRunner` + the KV batch, per runner configuration and row count.
 
     bench/llm_decode_step.py --model smollm2 --rows 1,8,32 --cols 310 --steps 30 \\
-        [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-int8,lean-bf16-int4,...] \\
+        [--configs hf-fp32,lean-fp32,hf-bf16,lean-bf16,lean-bf16-dense,lean-bf16-int8,...] \\
         [--out bench/results/llm_decode_step.md]
     bench/llm_decode_step.py --configs lean-bf16 --rows 8,24,32 --mixed 1x64,2x135 \\
         --out bench/results/llm_mixed_step.md
@@ -14,7 +14,8 @@ and the 10th-90th percentile range of `--steps` steps, per configuration; config
 turns step by step (A/B interleaved), so a load change on a shared machine hits them alike.
 
 Configurations: `hf` is transformers' forward (`lean=False`), `lean` the lean Llama path
-(`runners.llama`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
+(`runners.llama`; `lean-bf16-dense` is `lean-bf16` without lenbatch's few-row product,
+`weightonly.Bf16Gemv`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
 switch point to weight-only kernels) printed beside it. The processor key heads the table.
 
 `--mixed ROWSxCOLS,...` times, instead, what continuous batching runs on the lean path: for each
@@ -31,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from lenbatch.generate.kvcache import KVBatch
 from lenbatch.runners.base import Segment
 from lenbatch.runners.causal import CausalLMRunner, new_cache, resolve_causal_model
 from lenbatch.runners.hardware import processor_key
+from lenbatch.runners.llama import LeanLlama
 
 DEFAULT_CONFIGS = (
     "hf-fp32",
@@ -55,6 +58,8 @@ CONFIGS = {
     "lean-fp32": {"dtype": "float32"},
     "hf-bf16": {"dtype": "bfloat16", "lean": False},
     "lean-bf16": {"dtype": "bfloat16"},
+    # the same with every product dense (no `Bf16Gemv` at few rows): its A/B
+    "lean-bf16-dense": {"dtype": "bfloat16", "gemv_rows": 0},
     "lean-bf16-int8": {"dtype": "bfloat16", "quantization": "int8"},
     "lean-bf16-int4": {"dtype": "bfloat16", "quantization": "int4"},
     "lean-fp32-int8": {"dtype": "float32", "quantization": "int8"},
@@ -117,9 +122,15 @@ def main() -> int:
     names = args.configs.split(",")
     runners: dict[str, CausalLMRunner] = {}
     for name in names:
-        runners[name] = CausalLMRunner(
-            ref.folder, gguf_file=ref.gguf_file, name=ref.name, **CONFIGS[name]
-        )
+        cfg = dict(CONFIGS[name])
+        gemv_rows = cfg.pop("gemv_rows", None)
+        runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
+        if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
+            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows))
+            runner.lean = LeanLlama(
+                runner.model, plan, runner.info.max_length + 1, runner.precision.dtype
+            )
+        runners[name] = runner
     first = next(iter(runners.values()))
     ids = _prompt(first, args.cols)
     rows_list = [int(r) for r in args.rows.split(",")]

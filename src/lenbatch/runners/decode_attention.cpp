@@ -17,8 +17,9 @@
 // Beside it, `add_rms_norm` (a decoder layer's residual add and the next RMSNorm), `rope`
 // (rotary embedding of the queries and keys in place) and `silu_mul` (the gated MLP's
 // activation), each one pass where torch runs a
-// handful of small ops, each paying its dispatch on every layer; and `group_linear`, weight-only
-// products in groups of 32 with float32 activations (GGUF's Q4_1 / Q8_0 blocks).
+// handful of small ops, each paying its dispatch on every layer; `group_linear`, weight-only
+// products in groups of 32 with float32 activations (GGUF's Q4_1 / Q8_0 blocks); and
+// `bf16_linear`, bfloat16 products of a few rows that stream the weights once.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -541,6 +542,124 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #endif
 }
 
+// ---- bfloat16 products of a few rows, streaming the weights once ----
+//
+// `bf16_linear` computes y = x @ W.T for bfloat16 x [rows, in], float32 sums, bfloat16 out,
+// for the few rows of a decode step, from W reordered once (`pack_bf16_weight` in
+// runners/weightonly.py) into blocks of 16 output rows, each block's columns in pairs:
+// wp [ceil(out / 16), ceil(in / 2), 16, 2], so that one 64-byte load holds two columns of 16
+// outputs and AVX512_BF16's dot product adds both into 16 float32 sums, with the input's pair of
+// values broadcast: no horizontal sums, every weight byte read once, in order. Why a kernel: at
+// one to a few rows a product only streams its weights, and oneDNN's (prepacked or not) read
+// them at ~12 GB/s on an Intel Xeon family 6 model 207 (2 threads: SmolLM2's 121 products at
+// one row in 21.5 ms), under half of what the two cores read (27.5 GB/s summing float32). A CPU
+// with AVX-512 but not AVX512_BF16 widens each pair to float32 and uses two FMAs.
+
+#if defined(__AVX512F__)
+inline __m512 bf16_pair_dot(__m512 acc, __m512i x2, __m512i w) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)x2, (__m512bh)w);
+#else
+  const __m512i lo_mask = _mm512_set1_epi32(0xFFFF);
+  const __m512 x_lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(x2, lo_mask), 16));
+  const __m512 w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(w, lo_mask), 16));
+  const __m512 x_hi = _mm512_castsi512_ps(_mm512_andnot_si512(lo_mask, x2));
+  const __m512 w_hi = _mm512_castsi512_ps(_mm512_andnot_si512(lo_mask, w));
+  return _mm512_fmadd_ps(x_hi, w_hi, _mm512_fmadd_ps(x_lo, w_lo, acc));
+#endif
+}
+
+// R input rows against U blocks of 16 outputs, from block `b`. `pairs` = ceil(in / 2); `x2`
+// holds each row's pairs as 32-bit words (the odd column's pad is zero).
+template <int R, int U>
+inline void gemv_tile(const uint32_t* x2, int64_t pairs, const uint16_t* wp, uint16_t* y,
+                      int64_t out, int64_t b) {
+  __m512 acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const int64_t block = pairs * 32;  // bfloat16 values a block of 16 outputs holds
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_set1_epi32(static_cast<int>(x2[r * pairs + p]));
+    for (int u = 0; u < U; ++u) {
+      const __m512i wv = _mm512_loadu_si512(wp + (b + u) * block + p * 32);
+      for (int r = 0; r < R; ++r) acc[u][r] = bf16_pair_dot(acc[u][r], xv[r], wv);
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int64_t o = (b + u) * 16;
+    const int64_t n = std::min<int64_t>(16, out - o);
+    if (n <= 0) continue;
+    const __mmask16 m = (__mmask16)((1U << n) - 1);
+    for (int r = 0; r < R; ++r) {
+      // round to nearest even as c10::BFloat16 does (`store16`), masked to the real outputs
+      alignas(64) c10::BFloat16 tmp[16];
+      store16(tmp, acc[u][r]);
+      _mm256_mask_storeu_epi16(y + r * out + o, m,
+                               _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+    }
+  }
+}
+
+// Blocks [b0, b1) for R input rows: U blocks a pass, as many accumulators as the 32 vector
+// registers hold beside the inputs (several independent sums hide the dot product's latency).
+template <int R>
+void gemv_blocks(const uint32_t* x2, int64_t pairs, const uint16_t* wp, uint16_t* y, int64_t out,
+                 int64_t b0, int64_t b1) {
+  constexpr int U = R <= 2 ? 4 : (R <= 4 ? 3 : 2);
+  int64_t b = b0;
+  for (; b + U <= b1; b += U) gemv_tile<R, U>(x2, pairs, wp, y, out, b);
+  for (; b < b1; ++b) gemv_tile<R, 1>(x2, pairs, wp, y, out, b);
+}
+
+void gemv_rows(const uint32_t* x2, int64_t rows, int64_t pairs, const uint16_t* wp, uint16_t* y,
+               int64_t out, int64_t b0, int64_t b1) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8)
+    gemv_blocks<8>(x2 + r * pairs, pairs, wp, y + r * out, out, b0, b1);
+  const uint32_t* xr = x2 + r * pairs;
+  uint16_t* yr = y + r * out;
+  switch (rows - r) {
+    case 1: gemv_blocks<1>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 2: gemv_blocks<2>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 3: gemv_blocks<3>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 4: gemv_blocks<4>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 5: gemv_blocks<5>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 6: gemv_blocks<6>(xr, pairs, wp, yr, out, b0, b1); break;
+    case 7: gemv_blocks<7>(xr, pairs, wp, yr, out, b0, b1); break;
+    default: break;
+  }
+}
+#endif
+
+// y [rows, out] = x [rows, in] @ W.T, x bfloat16 contiguous, W as `wp` (see above).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_linear: x must be bfloat16 [rows, in], contiguous");
+  const int64_t rows = x.size(0), in = x.size(1), pairs = (in + 1) / 2, blocks = (out + 15) / 16;
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
+                  wp.size(0) == blocks && wp.size(1) == pairs && wp.size(2) == 16 &&
+                  wp.size(3) == 2,
+              "bf16_linear: wp must be bfloat16 [ceil(out / 16), ceil(in / 2), 16, 2], "
+              "contiguous, for x's columns");
+  auto y = at::empty({rows, out}, x.options());
+#if defined(__AVX512F__)
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  std::vector<uint32_t> x2(rows * pairs, 0);  // each row's column pairs as 32-bit words
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(x2.data() + r * pairs, xp + r * in, in * sizeof(uint16_t));
+  const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
+  uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
+  // At least 8 blocks (128 outputs) a thread: a small call is ~10 us.
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    gemv_rows(x2.data(), rows, pairs, w, yp, out, b0, b1);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "bf16_linear: built without AVX-512");
+#endif
+}
+
 // A gated MLP's activation: gu [rows, 2 * inter] (gate, then up) -> silu(gate) * up.
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0,
@@ -1032,6 +1151,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_linear", &group_linear, nogil(),
         "x @ W.T for weights in groups of 32: 4-bit (q uint8, scale, lo) or 8-bit (q int8, "
         "scale), float32 activations");
+  m.def("bf16_linear", &bf16_linear, nogil(),
+        "x @ W.T for bfloat16 x [rows, in] and W reordered into blocks of 16 outputs x column "
+        "pairs (few rows: the weights streamed once, float32 sums)",
+        py::arg("x"), py::arg("wp"), py::arg("out"));
   m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
   m.def("decode_attention", &decode_attention, nogil(),
         "Decode-step attention over each row's real columns (q [rows, heads, dim])");

@@ -12,6 +12,16 @@ A `RowLinear` is called with its input `[rows, in]` and the row count (tokens in
   A model shipped as Q4_1 GGUF (SmolLM2) has exactly such groups along its input features, so
   re-quantizing its dequantized weights gets the shipped 4-bit values back (nearly lossless).
 
+* `gemv` (bfloat16, no quantization): lenbatch's own product of a few rows (`Bf16Gemv`, the op
+  `bf16_linear` in `decode_attention.cpp`) on weights reordered once into blocks of 16 outputs
+  by column pairs, for AVX512_BF16's dot product. It streams each weight byte once, in order,
+  where oneDNN's products read them at under half the two cores' bandwidth. Taken up to
+  `plan.gemv_rows` rows, the most at which `measure_gemv` found it faster on this processor;
+  the dense product above. `LENBATCH_BF16_GEMV=off` leaves it out (A/B runs). On an Intel Xeon
+  family 6 model 207 (2 threads), SmolLM2's 121 products, weights streamed from memory: 12.7 /
+  13.1 / 14.7 / 21.1 ms at 1 / 2 / 4 / 8 rows against oneDNN prepacked's 22.8 / 22.4 / 20.8 /
+  22.4. It keeps its own copy of the weights beside the dense product's.
+
 With float32 activations both run lenbatch's own C++ loop instead (`GroupLinear`, the op
 `group_linear` in `decode_attention.cpp`), where the CPU has AVX-512 and a compiler: torch's
 weight-only kernels are fast only in bfloat16 (float32: 89 ms against 4.0 ms for SmolLM2's
@@ -29,6 +39,7 @@ the dense one too and takes the quantized kernel only up to `plan.switch_rows` r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,13 +53,17 @@ from lenbatch.runners.linears import Linear, linear_kind
 
 __all__ = [
     "INT4_GROUP",
+    "Bf16Gemv",
     "GroupLinear",
     "LinearPlan",
     "RowLinear",
+    "gemv_op",
     "make_linear",
+    "measure_gemv",
     "measure_large_rows",
     "measure_pack",
     "measure_switch",
+    "pack_bf16_weight",
     "plan_for",
 ]
 
@@ -58,6 +73,7 @@ log = logging.getLogger("lenbatch.runner")
 # public name, hence the SLF001 exemptions.
 
 INT4_GROUP = 32
+_GEMV_ENV = "LENBATCH_BF16_GEMV"
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -69,11 +85,14 @@ class LinearPlan:
     quantization: str = "none"
     pack: bool = False
     switch_rows: int = 0
+    gemv_rows: int = 0  # bfloat16, no quantization: most rows `Bf16Gemv` runs (dense above)
 
     def describe(self) -> str:
         """E.g. `int4 up to 16 rows, dense prepacked above`."""
         dense = "dense prepacked" if self.pack else "dense F.linear"
         if self.quantization == "none":
+            if self.gemv_rows > 0:
+                return f"lenbatch bf16 gemv up to {self.gemv_rows} rows, {dense} above"
             return dense
         return f"{self.quantization} up to {self.switch_rows} rows, {dense} above"
 
@@ -200,6 +219,45 @@ class GroupLinear(RowLinear):
         return y
 
 
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as `bf16_linear` reads it: bfloat16 [ceil(out / 16), ceil(in / 2), 16,
+    2], block `b` holding outputs 16b..16b+15 with their columns in pairs (zeros past the
+    ends)."""
+    out, inp = weight.shape
+    o16, i2 = -(-out // 16) * 16, -(-inp // 2) * 2
+    w = torch.zeros(o16, i2, dtype=torch.bfloat16)
+    w[:out, :inp] = weight.detach().to(torch.bfloat16)
+    return w.view(o16 // 16, 16, i2 // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class Bf16Gemv(RowLinear):
+    """`x @ W.T` for a few bfloat16 rows through the C++ op `bf16_linear` (module docstring),
+    on `W` reordered once (`pack_bf16_weight`)."""
+
+    def __init__(self, weight: torch.Tensor, op: Any) -> None:
+        self.op, self.out = op, int(weight.shape[0])
+        self.packed = pack_bf16_weight(weight)
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product (bfloat16)."""
+        y: torch.Tensor = self.op.bf16_linear(x.contiguous(), self.packed, self.out)
+        return y
+
+
+def gemv_op() -> Any | None:
+    """The C++ ops holding `bf16_linear`, or None where they cannot be built here or
+    `LENBATCH_BF16_GEMV=off` leaves them out."""
+    choice = os.environ.get(_GEMV_ENV, "auto").strip().lower()
+    if choice not in ("auto", "off"):
+        raise ValueError(f"{_GEMV_ENV}={choice!r} (expected auto or off)")
+    if choice == "off":
+        return None
+    from lenbatch.runners.decode_attention import decode_attention_op
+
+    op = decode_attention_op()
+    return op if op is not None and hasattr(op, "bf16_linear") else None
+
+
 class SwitchLinear(RowLinear):
     """The quantized kernel up to `switch_rows` rows, the dense one above."""
 
@@ -283,6 +341,10 @@ def make_linear(
     `F.linear` measured faster at such row counts (`measure_large_rows`)."""
     dtype = dtype or weight.dtype
     dense = _dense(weight.to(dtype), plan.pack, large_rows)
+    if plan.quantization == "none" and plan.gemv_rows > 0 and dtype == torch.bfloat16:
+        op = gemv_op()
+        if op is not None:
+            return SwitchLinear(Bf16Gemv(weight, op), dense, plan.gemv_rows)
     if plan.quantization == "none" or plan.switch_rows <= 0:
         return dense
     return SwitchLinear(_quantized(weight, plan.quantization, dtype), dense, plan.switch_rows)
@@ -411,6 +473,26 @@ def measure_switch(
     return switch
 
 
+def measure_gemv(shape: tuple[int, int], pack: bool) -> int:
+    """Most rows for which `Bf16Gemv` beats the dense bfloat16 product on this processor (every
+    smaller probed row count too), for weights of `shape` streamed from memory; 0 when it never
+    does or the op is not here. Probes 1, 2, 4, ... 128 rows."""
+    op = gemv_op()
+    if op is None:
+        return 0
+    ws = _probe_weights(shape, torch.bfloat16)
+    small: list[RowLinear] = [Bf16Gemv(w, op) for w in ws]
+    dense = [_dense(w, pack) for w in ws]
+    best = 0
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+        t_small, t_dense = _race(_sweep(small, x, rows), _sweep(dense, x, rows))
+        if t_small >= t_dense:
+            break
+        best = rows
+    return best
+
+
 _MEASURED: dict[tuple[str, str, str, tuple[int, int], bool | None], LinearPlan] = {}
 
 
@@ -429,11 +511,13 @@ def plan_for(
     plan = _MEASURED.get(key)
     if plan is None:
         packed = measure_pack(shape, dtype) if pack is None else pack
-        switch = 0
+        switch = gemv = 0
         if quantization != "none" and switch_rows is None:
             switch = measure_switch(shape, dtype, quantization, packed)
-        plan = LinearPlan(quantization, packed, switch)
-        if pack is None or quantization != "none":
+        if quantization == "none" and dtype == torch.bfloat16:
+            gemv = measure_gemv(shape, packed)
+        plan = LinearPlan(quantization, packed, switch, gemv)
+        if pack is None or quantization != "none" or gemv:
             log.info("linears on %s in %s: %s (measured)", key[0], dtype, plan.describe())
         _MEASURED[key] = plan
     if switch_rows is not None:

@@ -1,0 +1,88 @@
+"""`Bf16Gemv`: lenbatch's bfloat16 product of a few rows (the C++ op `bf16_linear`) against
+float64 products of the same bfloat16 values, and how `make_linear` takes it or leaves it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenbatch.runners.hardware import cpu_flags
+from lenbatch.runners.weightonly import (
+    Bf16Gemv,
+    DenseLinear,
+    LinearPlan,
+    SwitchLinear,
+    gemv_op,
+    make_linear,
+    pack_bf16_weight,
+)
+
+AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
+needs_op = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * 0.1).to(torch.bfloat16)
+
+
+def test_packed_layout_holds_each_weight_once_in_its_block_and_pair() -> None:
+    """Block b, pair p, lane j, slot t holds W[16b + j, 2p + t]; the pads are zeros."""
+    w = _bf16(37, 9, seed=0)
+    wp = pack_bf16_weight(w)
+    assert wp.shape == (3, 5, 16, 2) and wp.dtype == torch.bfloat16
+    for o in (0, 15, 16, 36):
+        for i in (0, 1, 7, 8):
+            assert wp[o // 16, i // 2, o % 16, i % 2] == w[o, i]
+    assert not wp[2, :, 5:, :].any()  # outputs 37..47
+    assert not wp[:, 4, :, 1].any()  # column 9
+
+
+@needs_op
+@pytest.mark.parametrize("out,inp", [(37, 96), (64, 71), (16, 2), (300, 576)])
+def test_equals_float64_products_to_bfloat16_rounding(out: int, inp: int) -> None:
+    """At every row count the op specialises (1-7, 8, 8 + a remainder), with output and input
+    counts that are not multiples of its 16-output blocks or column pairs: the float64 product
+    of the same bfloat16 values, rounded to bfloat16 (float32 sums: at most one step off)."""
+    op = gemv_op()
+    assert op is not None
+    w = _bf16(out, inp, seed=1)
+    lin = Bf16Gemv(w, op)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19):
+        x = _bf16(rows, inp, seed=rows)
+        y = lin(x, rows)
+        assert y.shape == (rows, out) and y.dtype == torch.bfloat16
+        exact = x.double() @ w.double().T
+        step = exact.abs().clamp(min=1e-6) * 2**-8  # one bfloat16 step
+        assert ((y.double() - exact).abs() <= step + 1e-6).all(), rows
+        # torch's own bfloat16 product agrees as closely
+        assert torch.allclose(y.float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-5)
+
+
+@needs_op
+def test_make_linear_switches_to_the_dense_product_above_gemv_rows() -> None:
+    """Up to `gemv_rows` rows the product runs `Bf16Gemv`, above it the dense one."""
+    w = _bf16(48, 64, seed=2)
+    lin = make_linear(w, LinearPlan(pack=False, gemv_rows=4))
+    assert isinstance(lin, SwitchLinear)
+    assert isinstance(lin.small, Bf16Gemv) and isinstance(lin.large, DenseLinear)
+    assert lin.switch_rows == 4
+    plain = make_linear(w, LinearPlan(pack=False))
+    assert isinstance(plain, DenseLinear)
+    float32 = make_linear(w.float(), LinearPlan(pack=False, gemv_rows=4))
+    assert isinstance(float32, DenseLinear)  # bfloat16 only
+
+
+def test_off_leaves_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LENBATCH_BF16_GEMV=off` (and any CPU where the op cannot be built) gives the dense
+    product whatever the plan says; a misspelt value is refused, saying what it expects."""
+    monkeypatch.setenv("LENBATCH_BF16_GEMV", "off")
+    assert gemv_op() is None
+    w = _bf16(48, 64, seed=3)
+    assert isinstance(make_linear(w, LinearPlan(pack=False, gemv_rows=8)), DenseLinear)
+    monkeypatch.setenv("LENBATCH_BF16_GEMV", "of")
+    with pytest.raises(ValueError, match="expected auto or off"):
+        gemv_op()
