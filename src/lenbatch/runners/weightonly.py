@@ -250,12 +250,7 @@ def gemv_op() -> Any | None:
     choice = os.environ.get(_GEMV_ENV, "auto").strip().lower()
     if choice not in ("auto", "off"):
         raise ValueError(f"{_GEMV_ENV}={choice!r} (expected auto or off)")
-    if choice == "off":
-        return None
-    from lenbatch.runners.decode_attention import decode_attention_op
-
-    op = decode_attention_op()
-    return op if op is not None and hasattr(op, "bf16_linear") else None
+    return None if choice == "off" else _ops_with("bf16_linear")
 
 
 class SwitchLinear(RowLinear):
@@ -296,12 +291,17 @@ class LargeRowsLinear(RowLinear):
         return self.choice(rows)(x, rows)
 
 
-def group_op() -> Any | None:
-    """The C++ ops holding `group_linear`, or None where they cannot be built here."""
+def _ops_with(name: str) -> Any | None:
+    """lenbatch's C++ ops if they are built here and hold op `name` (None otherwise)."""
     from lenbatch.runners.decode_attention import decode_attention_op
 
     op = decode_attention_op()
-    return op if op is not None and hasattr(op, "group_linear") else None
+    return op if op is not None and hasattr(op, name) else None
+
+
+def group_op() -> Any | None:
+    """The C++ ops holding `group_linear`, or None where they cannot be built here."""
+    return _ops_with("group_linear")
 
 
 def _quantized(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> RowLinear:
