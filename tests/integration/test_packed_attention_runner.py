@@ -3,15 +3,11 @@ torch's attention (the op forced off), on real text with ragged rows."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 from lenbatch.runners import decode_attention as da
-from lenbatch.runners.hardware import cpu_flags
-
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
+from tests.helpers import AVX512
 
 
 @pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")

@@ -3,13 +3,10 @@ float64 products of the same bfloat16 values, and how `make_linear` takes it or 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lenbatch.runners.hardware import cpu_flags
 from lenbatch.runners.weightonly import (
     Bf16Gemv,
     DenseLinear,
@@ -19,9 +16,7 @@ from lenbatch.runners.weightonly import (
     make_linear,
     pack_bf16_weight,
 )
-
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
-needs_op = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+from tests.helpers import needs_op
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:

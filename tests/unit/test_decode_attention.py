@@ -8,7 +8,6 @@ of 16) and the plain loop (head_dim 24).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
-from lenbatch.runners.hardware import cpu_flags
-
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
+from tests.helpers import AVX512
 
 
 def test_builds_where_the_cpu_allows_and_says_why_not_elsewhere() -> None:

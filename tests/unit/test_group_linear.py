@@ -5,15 +5,12 @@ dequantization of SmolLM2's shipped Q4_1 and Q8_0 blocks.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
-from lenbatch.runners.hardware import cpu_flags
 from lenbatch.runners.weightonly import (
     GroupLinear,
     Int4Linear,
@@ -23,9 +20,7 @@ from lenbatch.runners.weightonly import (
     group_op,
     make_linear,
 )
-
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
-needs_op = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+from tests.helpers import needs_op
 
 
 def _q4_1(out: int, inp: int, seed: int) -> torch.Tensor:

@@ -8,8 +8,6 @@ The reference runs `F.scaled_dot_product_attention` in float32 on each sequence'
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +15,8 @@ import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
 from lenbatch.runners.hardware import cpu_flags
+from tests.helpers import AVX512
 
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
 pytestmark = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
 
 
