@@ -37,18 +37,22 @@ def test_packed_layout_holds_each_weight_once_in_its_block_and_pair() -> None:
 
 
 @needs_op
+@pytest.mark.parametrize("use_amx", [True, False])
 @pytest.mark.parametrize("out,inp", [(37, 96), (64, 71), (16, 2), (300, 576)])
-def test_equals_float64_products_to_bfloat16_rounding(out: int, inp: int) -> None:
-    """At every row count the op specialises (1-7, 8, 8 + a remainder), with output and input
-    counts that are not multiples of its 16-output blocks or column pairs: the float64 product
-    of the same bfloat16 values, rounded to bfloat16 (float32 sums: at most one step off)."""
+def test_equals_float64_products_to_bfloat16_rounding(out: int, inp: int, use_amx: bool) -> None:
+    """At every row count the op specialises (1-7, 8, 8 + a remainder; on AMX tiles one to
+    four 16-row tiles, in pairs), with output and input counts that are not multiples of its
+    16-output blocks (an odd count of blocks among them) or column pairs: the float64 product
+    of the same bfloat16 values, rounded to bfloat16 (float32 sums: at most one step off).
+    `use_amx=False` keeps the vector loop at every row count (on a CPU without AMX both are
+    that loop)."""
     op = gemv_op()
     assert op is not None
     w = _bf16(out, inp, seed=1)
     lin = Bf16Gemv(w, op)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19, 33, 50):
         x = _bf16(rows, inp, seed=rows)
-        y = lin(x, rows)
+        y = op.bf16_linear(x, lin.packed, out, use_amx)
         assert y.shape == (rows, out) and y.dtype == torch.bfloat16
         exact = x.double() @ w.double().T
         step = exact.abs().clamp(min=1e-6) * 2**-8  # one bfloat16 step

@@ -91,8 +91,8 @@ def _case(rows: int, kv: int, group: int, dim: int, width: int, dtype: torch.dty
 
 
 @pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
-@pytest.mark.parametrize("dim", [64, 24])
-@pytest.mark.parametrize("group", [3, 1])
+@pytest.mark.parametrize("dim", [64, 24, 32, 128])
+@pytest.mark.parametrize("group", [3, 1, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_sdpa(dim: int, group: int, dtype: torch.dtype) -> None:
     """Same output as float32 SDPA over the masked window: 1e-5 in float32; bfloat16 within
