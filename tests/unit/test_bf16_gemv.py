@@ -85,3 +85,36 @@ def test_off_leaves_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LENBATCH_BF16_GEMV", "of")
     with pytest.raises(ValueError, match="expected auto or off"):
         gemv_op()
+
+
+@pytest.mark.parametrize(
+    "outcomes,expected",
+    [
+        # 1, 2 win; 4 loses twice (noise between wins); 8-32 win; 64 and 128 lose: 32
+        ("W W LL W W W LL LL", 32),
+        # a loss at 4 won on its second race; 8 and 16 lose: 4
+        ("W W LW LL LL", 4),
+        # 1 and 2 lose: never
+        ("LL LL", 0),
+    ],
+)
+def test_probe_takes_the_most_rows_won_ending_at_two_losses_in_a_row(
+    monkeypatch: pytest.MonkeyPatch, outcomes: str, expected: int
+) -> None:
+    """`measure_gemv`'s rule, its races scripted (W: the op is faster, L: the dense product):
+    a lost race is raced again, a lone lost row count between wins does not end the probe, two
+    in a row do, and every race scripted is run (none more)."""
+    from lenbatch.runners import weightonly
+
+    script = [c for c in outcomes if c != " "]
+    calls: list[str] = []
+
+    def race(a: object, b: object, reps: int = 9) -> tuple[float, float]:
+        calls.append(script[len(calls)])
+        return (1.0, 2.0) if calls[-1] == "W" else (2.0, 1.0)
+
+    monkeypatch.setattr(weightonly, "_race", race)
+    monkeypatch.setattr(weightonly, "gemv_op", lambda: object())
+    monkeypatch.setattr(weightonly, "_probe_weights", lambda shape, dtype: [_bf16(32, 64, seed=4)])
+    assert weightonly.measure_gemv((32, 64), pack=False) == expected
+    assert len(calls) == len(script)

@@ -480,25 +480,29 @@ def measure_switch(
 def measure_gemv(shape: tuple[int, int], pack: bool) -> int:
     """Most rows for which `Bf16Gemv` beats the dense bfloat16 product on this processor (every
     smaller probed row count too), for weights of `shape` streamed from memory; 0 when it never
-    does or the op is not here. Probes 1, 2, 4, ... 128 rows; a loss is raced again before it
-    ends the probe, since on a shared host one race can lose to a burst of load (the op won at
-    every count from 1 to 64 rows in one probe and lost at 4 in the next)."""
+    does or the op is not here. Probes 1, 2, 4, ... 128 rows. On a shared host one race can
+    lose to a burst of load (the op won at every count from 1 to 64 rows in one probe and lost
+    at 4 in the next, twice), so a loss is raced again, and only two row counts lost in a row
+    end the probe: a lone loss between wins is taken for noise."""
     op = gemv_op()
     if op is None:
         return 0
     ws = _probe_weights(shape, torch.bfloat16)
     small: list[RowLinear] = [Bf16Gemv(w, op) for w in ws]
     dense = [_dense(w, pack) for w in ws]
-    best = 0
+    best = lost = 0
     for rows in _PROBE_ROWS:
         x = torch.randn(rows, shape[1]).to(torch.bfloat16)
         race = _sweep(small, x, rows), _sweep(dense, x, rows)
         t_small, t_dense = _race(*race)
         if t_small >= t_dense:
             t_small, t_dense = _race(*race)
-            if t_small >= t_dense:
-                break
-        best = rows
+        if t_small < t_dense:
+            best, lost = rows, 0
+            continue
+        lost += 1
+        if lost == 2:
+            break
     return best
 
 
