@@ -23,6 +23,11 @@ row count and prompt chunk (ROWS prompts of COLS tokens of the same text), the d
 alone, the chunk's prefill alone (a fresh cache), and both in one forward
 (`runner.forward_segments`), the three interleaved step by step; the table gives the medians
 and one forward's time over the two apart.
+
+`--split` splits, instead, one decode step of each lean configuration by part: each of the C++
+ops (`decode_attention`, `add_rms_norm`, `rope`, `silu_mul`, ...) and each product (`qkv`, `o`,
+`gate_up`, `down`, `lm_head`), wall-clock ms per step summed over the layers (a timing wrapper
+around each call; the rest of the step is Python and torch's small ops).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,6 +119,7 @@ def main() -> int:
         metavar="ROWSxCOLS,...",
         help="time these prompt chunks alone, the decode step alone, and both in one forward",
     )
+    p.add_argument("--split", action="store_true", help="split each decode step by op and product")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,6 +143,8 @@ def main() -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.mixed:
         return _mixed_table(args, runners, ids, rows_list)
+    if args.split:
+        return _split_table(args, runners, ids, rows_list)
     table: dict[tuple[str, int], list[float]] = {}
     for rows in rows_list:
         batches = {n: _batch(r, ids, rows) for n, r in runners.items()}
@@ -246,6 +255,81 @@ def _mixed_table(
                     f"{med['mixed'] / apart:.2f} |"
                 )
             del kv
+    return _write(lines, args.out)
+
+
+class _Timed:
+    """Calls through `target`'s callables, adding each call's seconds to `spent[name]`."""
+
+    def __init__(self, target: Any, spent: dict[str, float]) -> None:
+        self._target, self._spent = target, spent
+
+    def __getattr__(self, name: str) -> Any:
+        return _timed(getattr(self._target, name), name, self._spent)
+
+
+def _timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
+    def call(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+    return call
+
+
+_PARTS = ("qkv", "o", "gate_up", "down")  # a lean layer's products
+
+
+def _split_table(
+    args: argparse.Namespace,
+    runners: dict[str, CausalLMRunner],
+    ids: list[int],
+    rows_list: list[int],
+) -> int:
+    """One decode step per config and row count, split by C++ op and product."""
+    lines = [
+        *_header(),
+        f"Milliseconds per decode step (mean of {args.steps}), {args.cols} cached columns; "
+        "`step` is the median whole step.",
+        "",
+    ]
+    for name, runner in runners.items():
+        lean = runner.lean
+        if lean is None:
+            raise SystemExit(f"{name}: not on the lean path, nothing to split")
+        spent: dict[str, float] = {}
+        kernel, head = lean.kernel, lean.lm_head
+        saved = [{part: getattr(layer, part) for part in _PARTS} for layer in lean.layers]
+        if kernel is not None:
+            lean.kernel = _Timed(kernel, spent)
+        lean.lm_head = _timed(head, "lm_head", spent)
+        for layer in lean.layers:
+            for part in _PARTS:
+                setattr(layer, part, _timed(getattr(layer, part), part, spent))
+        lines += [f"{name} ({lean.plan.describe()}):", ""]
+        table: dict[int, tuple[float, dict[str, float]]] = {}
+        for rows in rows_list:
+            kv = _batch(runner, ids, rows)
+            for _ in range(3):
+                _step(runner, kv)
+            spent.clear()
+            steps = [_step(runner, kv) for _ in range(args.steps)]
+            table[rows] = (statistics.median(steps), dict(spent))
+            del kv
+        parts = sorted({k for _, sp in table.values() for k in sp})
+        lines.append("| part | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+        lines.append("|---|" + "---:|" * len(rows_list))
+        for part in parts:
+            cells = [f"{1000 * table[r][1].get(part, 0.0) / args.steps:.2f}" for r in rows_list]
+            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+        whole = [f"{1000 * table[r][0]:.1f}" for r in rows_list]
+        lines.append("| step | " + " | ".join(whole) + " |")
+        lines.append("")
+        lean.kernel, lean.lm_head = kernel, head
+        for layer, originals in zip(lean.layers, saved, strict=True):
+            for part, fn in originals.items():
+                setattr(layer, part, fn)
     return _write(lines, args.out)
 
 

@@ -609,6 +609,13 @@ script_recipe(
     "--out", "bench/results/llm_decode_step.md",
 )  # fmt: skip
 script_recipe(
+    "llm-decode-split", "llm_decode_step.py",
+    "One decode step of lean bf16 split by C++ op and product at 1/8/32 rows x 310 columns "
+    "(llm_decode_split.md).",
+    "--configs", "lean-bf16", "--rows", "1,8,32", "--cols", "310", "--steps", "20", "--split",
+    "--out", "bench/results/llm_decode_split.md",
+)  # fmt: skip
+script_recipe(
     "llm-mixed-step", "llm_decode_step.py",
     "A decode step and a prompt chunk apart and in one forward, lean bf16 (llm_mixed_step.md).",
     "--configs", "lean-bf16", "--rows", "8,24,32", "--cols", "290", "--steps", "15",
