@@ -753,6 +753,14 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 constexpr int64_t kAmxAbove = 4;
 
 #if defined(__AVX512F__)
+// 16 float32 sums rounded to bfloat16 as c10::BFloat16 does (`store16`), stored to the outputs
+// `mask` keeps (a block's outputs past the weight's end are dropped).
+inline void store16_masked(uint16_t* dst, __m512 v, __mmask16 mask) {
+  alignas(64) c10::BFloat16 tmp[16];
+  store16(tmp, v);
+  _mm256_mask_storeu_epi16(dst, mask, _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+}
+
 inline __m512 bf16_pair_dot(__m512 acc, __m512i x2, __m512i w) {
 #if defined(__AVX512BF16__)
   return _mm512_dpbf16_ps(acc, (__m512bh)x2, (__m512bh)w);
@@ -788,13 +796,7 @@ inline void gemv_tile(const uint32_t* x2, int64_t pairs, const uint16_t* wp, uin
     const int64_t n = std::min<int64_t>(16, out - o);
     if (n <= 0) continue;
     const __mmask16 m = (__mmask16)((1U << n) - 1);
-    for (int r = 0; r < R; ++r) {
-      // round to nearest even as c10::BFloat16 does (`store16`), masked to the real outputs
-      alignas(64) c10::BFloat16 tmp[16];
-      store16(tmp, acc[u][r]);
-      _mm256_mask_storeu_epi16(y + r * out + o, m,
-                               _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
-    }
+    for (int r = 0; r < R; ++r) store16_masked(y + r * out + o, acc[u][r], m);
   }
 }
 
@@ -1135,12 +1137,8 @@ void amx_linear_blocks(const uint16_t* xpad, int64_t mtiles, int64_t in, const u
   auto put = [&](int64_t m, int64_t b) {  // tile in `c` -> rows of m, outputs of block b
     const int64_t n = std::min<int64_t>(16, out - b * 16);
     const __mmask16 mask = (__mmask16)((1U << n) - 1);
-    for (int64_t r = 0; r < 16 && m * 16 + r < rows; ++r) {
-      alignas(64) c10::BFloat16 tmp[16];
-      store16(tmp, _mm512_load_ps(c + 16 * r));
-      _mm256_mask_storeu_epi16(y + (m * 16 + r) * out + b * 16, mask,
-                               _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
-    }
+    for (int64_t r = 0; r < 16 && m * 16 + r < rows; ++r)
+      store16_masked(y + (m * 16 + r) * out + b * 16, _mm512_load_ps(c + 16 * r), mask);
   };
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two = b + 1 < b1;
