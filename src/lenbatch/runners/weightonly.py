@@ -478,12 +478,12 @@ def measure_switch(
 
 
 def measure_gemv(shape: tuple[int, int], pack: bool) -> int:
-    """Most rows for which `Bf16Gemv` beats the dense bfloat16 product on this processor (every
-    smaller probed row count too), for weights of `shape` streamed from memory; 0 when it never
-    does or the op is not here. Probes 1, 2, 4, ... 128 rows. On a shared host one race can
-    lose to a burst of load (the op won at every count from 1 to 64 rows in one probe and lost
-    at 4 in the next, twice), so a loss is raced again, and only two row counts lost in a row
-    end the probe: a lone loss between wins is taken for noise."""
+    """Most rows for which `Bf16Gemv` beats the dense bfloat16 product on this processor (at
+    every smaller probed row count too, but for lone losses taken as noise, below), for weights
+    of `shape` streamed from memory; 0 when it never does or the op is not here. Probes 1, 2,
+    4, ... 128 rows. On a shared host one race can lose to a burst of load (the op won at every
+    count from 1 to 64 rows in one probe and lost at 4 in the next, twice), so a loss is raced
+    again, and only two row counts lost in a row end the probe."""
     op = gemv_op()
     if op is None:
         return 0
