@@ -35,6 +35,24 @@ def test_llama_runs_lean_and_gpt2_does_not(llama_runner: Any, gpt2_runner: Any) 
     assert gpt2_runner.lean is None
 
 
+def test_llama_shapes_are_the_fused_products(llama_runner: Any) -> None:
+    """`llama_shapes` names each layer product's weight as the lean path builds it: Q/K/V
+    and gate/up fused, then O and down, read off the model's own projections."""
+    from lenbatch.runners.llama import llama_shapes
+
+    model = llama_runner.model
+    att = model.model.layers[0].self_attn
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
+    kv = att.k_proj.weight.shape[0]
+    assert kv < att.q_proj.weight.shape[0]  # grouped-query: K and V narrower than Q
+    assert llama_shapes(model) == [
+        (att.q_proj.weight.shape[0] + 2 * kv, hidden),
+        (hidden, att.q_proj.weight.shape[0]),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pack", [False, True])
 def test_lean_fp32_greedy_equals_generate(tiny_llama_dir: Path, pack: bool) -> None:

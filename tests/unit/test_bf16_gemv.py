@@ -41,16 +41,16 @@ def test_packed_layout_holds_each_weight_once_in_its_block_and_pair() -> None:
 @pytest.mark.parametrize("out,inp", [(37, 96), (64, 71), (16, 2), (300, 576)])
 def test_equals_float64_products_to_bfloat16_rounding(out: int, inp: int, use_amx: bool) -> None:
     """At every row count the op specialises (1-7, 8, 8 + a remainder; on AMX tiles one to
-    four 16-row tiles, in pairs), with output and input counts that are not multiples of its
-    16-output blocks (an odd count of blocks among them) or column pairs: the float64 product
-    of the same bfloat16 values, rounded to bfloat16 (float32 sums: at most one step off).
-    `use_amx=False` keeps the vector loop at every row count (on a CPU without AMX both are
-    that loop)."""
+    eleven 16-row tiles, in pairs, whole or with a partial last tile), with output and input
+    counts that are not multiples of its 16-output blocks (an odd count of blocks among them)
+    or column pairs: the float64 product of the same bfloat16 values, rounded to bfloat16
+    (float32 sums: at most one step off). `use_amx=False` keeps the vector loop at every row
+    count (on a CPU without AMX both are that loop)."""
     op = gemv_op()
     assert op is not None
     w = _bf16(out, inp, seed=1)
     lin = Bf16Gemv(w, op)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19, 33, 50):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19, 33, 50, 64, 161):
         x = _bf16(rows, inp, seed=rows)
         y = op.bf16_linear(x, lin.packed, out, use_amx)
         assert y.shape == (rows, out) and y.dtype == torch.bfloat16
@@ -96,6 +96,8 @@ def test_off_leaves_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
         ("W W LW LL LL", 4),
         # 1 and 2 lose: never
         ("LL LL", 0),
+        # every count wins, up to prompt-chunk sizes: 512
+        ("W W W W W W W W W W", 512),
     ],
 )
 def test_probe_takes_the_most_rows_won_ending_at_two_losses_in_a_row(
@@ -118,3 +120,68 @@ def test_probe_takes_the_most_rows_won_ending_at_two_losses_in_a_row(
     monkeypatch.setattr(weightonly, "_probe_weights", lambda shape, dtype: [_bf16(32, 64, seed=4)])
     assert weightonly.measure_gemv((32, 64), pack=False) == expected
     assert len(calls) == len(script)
+
+
+@pytest.mark.parametrize("outcomes,expected", [("W LL", 256), ("LL LL", 128), ("W W", 512)])
+def test_probe_from_a_known_count_races_only_above_it(
+    monkeypatch: pytest.MonkeyPatch, outcomes: str, expected: int
+) -> None:
+    """With `above=128` the probe races 256 and 512 rows only, and keeps 128 where both lose."""
+    from lenbatch.runners import weightonly
+
+    script = [c for c in outcomes if c != " "]
+    rows: list[int] = []
+
+    def race(a: object, b: object, reps: int = 9) -> tuple[float, float]:
+        rows.append(len(rows))
+        return (1.0, 2.0) if script[len(rows) - 1] == "W" else (2.0, 1.0)
+
+    monkeypatch.setattr(weightonly, "_race", race)
+    monkeypatch.setattr(weightonly, "gemv_op", lambda: object())
+    monkeypatch.setattr(weightonly, "_probe_weights", lambda shape, dtype: [_bf16(32, 64, seed=4)])
+    assert weightonly.measure_gemv((32, 64), pack=False, above=128) == expected
+    assert len(rows) == len(script)
+
+
+@needs_op
+def test_a_shape_measured_apart_gets_its_own_row_count() -> None:
+    """`gemv_shapes` overrides `gemv_rows` for weights of that shape only, in `make_linear`
+    and in the plan's description; a zero there leaves that shape dense."""
+    plan = LinearPlan(pack=False, gemv_rows=4, gemv_shapes=((48, 64, 128), (32, 64, 0)))
+    assert plan.gemv_for((48, 64)) == 128 and plan.gemv_for((64, 48)) == 4
+    wide = make_linear(_bf16(48, 64, seed=5), plan)
+    assert isinstance(wide, SwitchLinear) and wide.switch_rows == 128
+    other = make_linear(_bf16(16, 64, seed=6), plan)
+    assert isinstance(other, SwitchLinear) and other.switch_rows == 4
+    assert isinstance(make_linear(_bf16(32, 64, seed=7), plan), DenseLinear)
+    assert plan.describe() == (
+        "lenbatch bf16 gemv up to 4 rows (48x64: 128, 32x64: 0), dense F.linear above"
+    )
+
+
+def test_plan_measures_the_other_shapes_only_where_the_op_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`plan_for(..., shapes=...)` probes each other shape once (the typical shape and
+    repeats are not probed again), from the typical shape's count, when that probe found the
+    op faster, and none when it did not."""
+    from lenbatch.runners import weightonly
+
+    found = {(96, 32): 64, (32, 32): 512, (32, 48): 256, (48, 32): 64}
+    probed: list[tuple[tuple[int, int], int]] = []
+
+    def measure(shape: tuple[int, int], pack: bool, above: int = 0) -> int:
+        probed.append((shape, above))
+        return found.get(shape, 0)
+
+    monkeypatch.setattr(weightonly, "measure_gemv", measure)
+    monkeypatch.setattr(weightonly, "_MEASURED", {})
+    shapes = [(96, 32), (32, 32), (32, 48), (32, 32), (48, 32)]
+    plan = weightonly.plan_for((96, 32), torch.bfloat16, pack=False, shapes=shapes)
+    # the others start from the typical shape's count; one equal to it is not listed apart
+    assert probed == [((96, 32), 0), ((32, 32), 64), ((32, 48), 64), ((48, 32), 64)]
+    assert plan.gemv_rows == 64 and plan.gemv_shapes == ((32, 32, 512), (32, 48, 256))
+    assert plan.gemv_for((32, 48)) == 256 and plan.gemv_for((96, 32)) == 64
+    probed.clear()
+    none = weightonly.plan_for((40, 8), torch.bfloat16, pack=False, shapes=shapes)
+    assert probed == [((40, 8), 0)] and none.gemv_rows == 0 and none.gemv_shapes == ()

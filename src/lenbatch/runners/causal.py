@@ -23,7 +23,7 @@ import torch
 
 from lenbatch.runners.base import ModelInfo, RunnerMemory, Segment
 from lenbatch.runners.hardware import check_quantization, resolve_precision
-from lenbatch.runners.llama import LeanLlama, lean_unsupported
+from lenbatch.runners.llama import LeanLlama, lean_unsupported, llama_shapes
 from lenbatch.runners.memory import current_rss, peak_rss
 from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.runners.weightonly import plan_for
@@ -225,7 +225,12 @@ class CausalLMRunner:
         cfg = self.model.config
         shape = (int(cfg.intermediate_size) * 2, int(cfg.hidden_size))
         plan = plan_for(
-            shape, self.precision.dtype, quantization, pack=pack, switch_rows=switch_rows
+            shape,
+            self.precision.dtype,
+            quantization,
+            pack=pack,
+            switch_rows=switch_rows,
+            shapes=llama_shapes(self.model),
         )
         path = LeanLlama(self.model, plan, self.info.max_length + 1, self.precision.dtype)
         log.info(path.describe())

@@ -56,12 +56,14 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 // 16 float32 values stored as bfloat16, rounded to nearest even as c10::BFloat16 rounds
 // (integer arithmetic on the bits, so a CPU without AVX512_BF16 gives the same bits).
-inline void store16(c10::BFloat16* p, __m512 v) {
+inline __m256i round16(__m512 v) {
   __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round16(v));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
@@ -749,16 +751,14 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 // fast and pads nothing; above, its dot products bound it (16.4 ms at 8 rows, 46.7 at 32).
 // SmolLM2's 120 layer products on an Intel Xeon family 6 model 207, 2 threads, weights from
 // memory: 11.8 / 11.7 / 10.5 / 13.1 / 15.1 ms at 8 / 16 / 32 / 48 / 64 rows, against 17.7 /
-// 18.0 / 14.7 / 14.8 / 17.5 for oneDNN prepacked (whose AMX kernels win at more rows).
+// 18.0 / 14.7 / 14.8 / 17.5 for oneDNN prepacked (at more rows: `amx_linear_blocks`).
 constexpr int64_t kAmxAbove = 4;
 
 #if defined(__AVX512F__)
 // 16 float32 sums rounded to bfloat16 as c10::BFloat16 does (`store16`), stored to the outputs
 // `mask` keeps (a block's outputs past the weight's end are dropped).
 inline void store16_masked(uint16_t* dst, __m512 v, __mmask16 mask) {
-  alignas(64) c10::BFloat16 tmp[16];
-  store16(tmp, v);
-  _mm256_mask_storeu_epi16(dst, mask, _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+  _mm256_mask_storeu_epi16(dst, mask, round16(v));
 }
 
 inline __m512 bf16_pair_dot(__m512 acc, __m512i x2, __m512i w) {
@@ -834,9 +834,9 @@ void gemv_rows(const uint32_t* x2, int64_t rows, int64_t pairs, const uint16_t* 
 #if defined(LENBATCH_AMX)
 namespace {
 bool amx_ready();
-void amx_linear_blocks(const uint16_t* xpad, int64_t mtiles, int64_t in, const uint16_t* wp,
-                       int64_t pairs, uint16_t* y, int64_t rows, int64_t out, int64_t b0,
-                       int64_t b1);
+void amx_linear_blocks(const uint16_t* x, const uint16_t* xlast, int64_t mtiles, int64_t in,
+                       const uint16_t* wp, int64_t pairs, uint16_t* y, int64_t rows, int64_t out,
+                       int64_t b0, int64_t b1);
 }  // namespace
 #endif
 
@@ -854,16 +854,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out, b
   auto y = at::empty({rows, out}, x.options());
 #if defined(LENBATCH_AMX)
   if (use_amx && rows > kAmxAbove && in % 32 == 0 && amx_ready()) {
-    // x padded with zero rows to whole 16-row tiles
     const int64_t mtiles = (rows + 15) / 16;
-    std::vector<uint16_t> xpad(mtiles * 16 * in, 0);
-    std::memcpy(xpad.data(), x.data_ptr(), rows * in * sizeof(uint16_t));
+    const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+    std::vector<uint16_t> last;  // a last partial row tile, padded with zero rows
+    if (rows % 16) {
+      last.assign(16 * in, 0);
+      std::memcpy(last.data(), xp + (mtiles - 1) * 16 * in, (rows % 16) * in * sizeof(uint16_t));
+    }
     const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
     uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
     const int64_t duos = (blocks + 1) / 2;  // blocks go in pairs (two B tiles)
     at::parallel_for(0, duos, 4, [&](int64_t d0, int64_t d1) {
-      amx_linear_blocks(xpad.data(), mtiles, in, w, pairs, yp, rows, out, 2 * d0,
-                        std::min(blocks, 2 * d1));
+      amx_linear_blocks(xp, last.empty() ? nullptr : last.data(), mtiles, in, w, pairs, yp, rows,
+                        out, 2 * d0, std::min(blocks, 2 * d1));
     });
     return y;
   }
@@ -1126,59 +1129,75 @@ void amx_configure() {
 
 // `bf16_linear` on tiles for blocks [b0, b1) of 16 outputs: two blocks (B tiles 6, 7) by two
 // 16-row tiles of x (A tiles 4, 5) into four float32 accumulators (tiles 0-3) per pass over
-// the columns, 32 columns at a time. The weights of two blocks (in x 64 bytes) stay in L2 for
-// the next pair of row tiles. Needs in % 32 == 0 and x padded to mtiles x 16 rows.
-void amx_linear_blocks(const uint16_t* xpad, int64_t mtiles, int64_t in, const uint16_t* wp,
-                       int64_t pairs, uint16_t* y, int64_t rows, int64_t out, int64_t b0,
-                       int64_t b1) {
+// the columns, 32 columns at a time. Row tiles are read in place from x (rows `in` apart),
+// but for a last partial tile, `xlast` (16 rows, zero past the end; null when rows fill whole
+// tiles). Needs in % 32 == 0.
+// - A pair of blocks' weights (in x 64 bytes) is reused from cache by every pair of row tiles.
+//   The next pair's weights are prefetched into L2 while this pair runs, spread over its
+//   steps: tile loads alone leave the first pair of row tiles waiting on memory.
+// - The four accumulators are stored before any is rounded out, so the stores overlap; x is
+//   not copied (it was, whole, to pad it).
+// SmolLM2's 120 layer products on an Intel Xeon family 6 model 207, 2 threads, at 32 / 64 /
+// 160 / 400 rows: 8.5 / 11.5 / 19.2 / 44.4 ms, against 10.1 / 16.0 / 26.9 / 56.4 for this
+// loop without those three and 13.6 / 15.8 / 23.3 / 57.4 for oneDNN prepacked. By shape it
+// wins most on narrow outputs (576 x 576 at 400 rows: 18.5 against 37.0 ms), least on wide
+// ones (3072 x 576: loses from 128-256 rows), so `measure_gemv` probes each shape.
+void amx_linear_blocks(const uint16_t* x, const uint16_t* xlast, int64_t mtiles, int64_t in,
+                       const uint16_t* wp, int64_t pairs, uint16_t* y, int64_t rows, int64_t out,
+                       int64_t b0, int64_t b1) {
   amx_configure();
-  alignas(64) float c[16 * 16];
+  alignas(64) float c[4][16 * 16];
   const int64_t chunks = in / 32, block = pairs * 32, xs = in * 2;
-  auto put = [&](int64_t m, int64_t b) {  // tile in `c` -> rows of m, outputs of block b
+  auto tile = [&](int64_t m) { return xlast && m == mtiles - 1 ? xlast : x + m * 16 * in; };
+  auto put = [&](const float* t, int64_t m, int64_t b) {  // tile t -> rows of m, outputs of b
     const int64_t n = std::min<int64_t>(16, out - b * 16);
     const __mmask16 mask = (__mmask16)((1U << n) - 1);
-    for (int64_t r = 0; r < 16 && m * 16 + r < rows; ++r)
-      store16_masked(y + (m * 16 + r) * out + b * 16, _mm512_load_ps(c + 16 * r), mask);
+    uint16_t* dst = y + m * 16 * out + b * 16;
+    for (int64_t r = 0; r < std::min<int64_t>(16, rows - m * 16); ++r)
+      store16_masked(dst + r * out, _mm512_load_ps(t + 16 * r), mask);
   };
+  const int64_t steps = (mtiles + 1) / 2 * chunks;
+  const int64_t per_step = (2 * block * 2 / 64 + steps - 1) / steps;  // lines to prefetch
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two = b + 1 < b1;
     const uint16_t* w0 = wp + b * block;
-    const uint16_t* w1 = w0 + block;
+    const uint16_t* w1 = two ? w0 + block : w0;  // (a lone block's second products are unused)
+    const char* next = reinterpret_cast<const char*>(wp + (b + 2) * block);
+    const int64_t fetch = std::clamp<int64_t>(b1 - b - 2, 0, 2) * block * 2 / 64;  // its lines
+    int64_t line = 0;
     for (int64_t m = 0; m < mtiles; m += 2) {
       const bool mtwo = m + 1 < mtiles;
-      const uint16_t* x0 = xpad + m * 16 * in;
-      const uint16_t* x1 = x0 + 16 * in;
+      const uint16_t* x0 = tile(m);
+      const uint16_t* x1 = mtwo ? tile(m + 1) : nullptr;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < chunks; ++k) {
+        for (const int64_t stop = std::min(fetch, line + per_step); line < stop; ++line)
+          _mm_prefetch(next + line * 64, _MM_HINT_T1);
         _tile_loadd(4, x0 + k * 32, xs);
         _tile_loadd(6, w0 + k * 512, 64);
+        _tile_loadd(7, w1 + k * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-          _tile_loadd(7, w1 + k * 512, 64);
-          _tile_dpbf16ps(2, 4, 7);
-        }
-        if (mtwo) {
+        _tile_dpbf16ps(2, 4, 7);
+        if (mtwo) {  // (a lone last row tile does half the products)
           _tile_loadd(5, x1 + k * 32, xs);
           _tile_dpbf16ps(1, 5, 6);
-          if (two) _tile_dpbf16ps(3, 5, 7);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
-      _tile_stored(0, c, 64);
-      put(m, b);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(2, c[2], 64);
       if (mtwo) {
-        _tile_stored(1, c, 64);
-        put(m + 1, b);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
       }
+      put(c[0], m, b);
+      if (mtwo) put(c[1], m + 1, b);
       if (two) {
-        _tile_stored(2, c, 64);
-        put(m, b + 1);
-        if (mtwo) {
-          _tile_stored(3, c, 64);
-          put(m + 1, b + 1);
-        }
+        put(c[2], m, b + 1);
+        if (mtwo) put(c[3], m + 1, b + 1);
       }
     }
   }

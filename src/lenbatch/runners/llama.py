@@ -72,6 +72,19 @@ def lean_unsupported(model: Any) -> str | None:
     return None
 
 
+def llama_shapes(model: Any) -> list[tuple[int, int]]:
+    """The `[out, in]` shapes of a Llama-family model's layer products as the lean path fuses
+    them: Q/K/V, O, gate/up, down (the LM head, run at a decode step's rows, is left out)."""
+    layer = model.model.layers[0]
+    att, mlp = layer.self_attn, layer.mlp
+    hidden = int(att.q_proj.weight.shape[1])
+    qkv = sum(int(p.weight.shape[0]) for p in (att.q_proj, att.k_proj, att.v_proj))
+    gate_up = int(mlp.gate_proj.weight.shape[0]) + int(mlp.up_proj.weight.shape[0])
+    shapes = [(qkv, hidden), tuple(att.o_proj.weight.shape), (gate_up, hidden)]
+    shapes.append(tuple(mlp.down_proj.weight.shape))
+    return [(int(o), int(i)) for o, i in shapes]
+
+
 def _rope_theta(cfg: Any) -> float:
     rope = getattr(cfg, "rope_parameters", None) or {}
     return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -79,6 +79,10 @@ log = logging.getLogger("lenbatch.runner")
 INT4_GROUP = 32
 _GEMV_ENV = "LENBATCH_BF16_GEMV"
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# `Bf16Gemv` on AMX tiles can win up to a prompt chunk's rows (SmolLM2's layer products at 400
+# rows: 44 ms against oneDNN prepacked's 58, Intel Xeon family 6 model 207), so its probe goes
+# on to chunk-sized counts.
+_GEMV_PROBE_ROWS = (*_PROBE_ROWS, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,27 @@ class LinearPlan:
     pack: bool = False
     switch_rows: int = 0
     gemv_rows: int = 0  # bfloat16, no quantization: most rows `Bf16Gemv` runs (dense above)
+    # (out, in, rows): `gemv_rows` for weights of that shape, measured apart (the op's lead over
+    # the dense product depends on the shape: on an Intel Xeon family 6 model 207 it won up to
+    # 512 rows for SmolLM2's 576-output products and only to 128 for its 3072-output one)
+    gemv_shapes: tuple[tuple[int, int, int], ...] = ()
+
+    def gemv_for(self, shape: tuple[int, ...]) -> int:
+        """The most rows `Bf16Gemv` runs for a weight of `shape` (`gemv_rows` unless measured
+        apart)."""
+        for out, inp, rows in self.gemv_shapes:
+            if (out, inp) == tuple(shape):
+                return rows
+        return self.gemv_rows
 
     def describe(self) -> str:
         """E.g. `int4 up to 16 rows, dense prepacked above`."""
         dense = "dense prepacked" if self.pack else "dense F.linear"
         if self.quantization == "none":
             if self.gemv_rows > 0:
-                return f"lenbatch bf16 gemv up to {self.gemv_rows} rows, {dense} above"
+                apart = ", ".join(f"{o}x{i}: {r}" for o, i, r in self.gemv_shapes)
+                shapes = f" ({apart})" if apart else ""
+                return f"lenbatch bf16 gemv up to {self.gemv_rows} rows{shapes}, {dense} above"
             return dense
         return f"{self.quantization} up to {self.switch_rows} rows, {dense} above"
 
@@ -345,10 +363,11 @@ def make_linear(
     `F.linear` measured faster at such row counts (`measure_large_rows`)."""
     dtype = dtype or weight.dtype
     dense = _dense(weight.to(dtype), plan.pack, large_rows)
-    if plan.quantization == "none" and plan.gemv_rows > 0 and dtype == torch.bfloat16:
+    gemv_rows = plan.gemv_for(tuple(weight.shape))
+    if plan.quantization == "none" and gemv_rows > 0 and dtype == torch.bfloat16:
         op = gemv_op()
         if op is not None:
-            return SwitchLinear(Bf16Gemv(weight, op), dense, plan.gemv_rows)
+            return SwitchLinear(Bf16Gemv(weight, op), dense, gemv_rows)
     if plan.quantization == "none" or plan.switch_rows <= 0:
         return dense
     return SwitchLinear(_quantized(weight, plan.quantization, dtype), dense, plan.switch_rows)
@@ -477,23 +496,27 @@ def measure_switch(
     return switch
 
 
-def measure_gemv(shape: tuple[int, int], pack: bool) -> int:
+def measure_gemv(shape: tuple[int, int], pack: bool, above: int = 0) -> int:
     """Most rows for which `Bf16Gemv` beats the dense bfloat16 product on this processor (at
     every smaller probed row count too, but for lone losses taken as noise, below), for weights
     of `shape` streamed from memory; 0 when it never does or the op is not here. Probes 1, 2,
-    4, ... 128 rows. On a shared host one race can lose to a burst of load (the op won at every
-    count from 1 to 64 rows in one probe and lost at 4 in the next, twice), so a loss is raced
-    again, and only two row counts lost in a row end the probe."""
+    4, ... 512 rows (`_GEMV_PROBE_ROWS`). On a shared host one race can lose to a burst of load
+    (the op won at every count from 1 to 64 rows in one probe and lost at 4 in the next,
+    twice), so a loss is raced again, and only two row counts lost in a row end the probe.
+    `above`: a count already known won (another shape's), from which the probe starts."""
     op = gemv_op()
     if op is None:
         return 0
     ws = _probe_weights(shape, torch.bfloat16)
     small: list[RowLinear] = [Bf16Gemv(w, op) for w in ws]
     dense = [_dense(w, pack) for w in ws]
-    best = lost = 0
-    for rows in _PROBE_ROWS:
+    best, lost = above, 0
+    for rows in (r for r in _GEMV_PROBE_ROWS if r > above):
         x = torch.randn(rows, shape[1]).to(torch.bfloat16)
-        race = _sweep(small, x, rows), _sweep(dense, x, rows)
+        # Above 64 rows the products are bound by arithmetic, not by streaming the weights:
+        # a quarter of them times the race as well, in a quarter of the time.
+        n = len(ws) if rows <= 64 else max(2, len(ws) // 4)
+        race = _sweep(small[:n], x, rows), _sweep(dense[:n], x, rows)
         t_small, t_dense = _race(*race)
         if t_small >= t_dense:
             t_small, t_dense = _race(*race)
@@ -506,7 +529,7 @@ def measure_gemv(shape: tuple[int, int], pack: bool) -> int:
     return best
 
 
-_MEASURED: dict[tuple[str, str, str, tuple[int, int], bool | None], LinearPlan] = {}
+_MEASURED: dict[tuple[object, ...], LinearPlan] = {}
 
 
 def plan_for(
@@ -516,20 +539,29 @@ def plan_for(
     *,
     pack: bool | None = None,
     switch_rows: int | None = None,
+    shapes: Sequence[tuple[int, int]] = (),
 ) -> LinearPlan:
     """The plan for a model whose typical linear weight has `shape`, in `dtype`: `pack` and
     `switch_rows` as given, else measured here (once per processor, dtype, quantization and
-    shape in this process) and logged with the processor key."""
-    key = (processor_key(), str(dtype), quantization, shape, pack)
+    shape in this process) and logged with the processor key. Where `Bf16Gemv` runs, its row
+    count is measured for each of the model's other weight `shapes` too (`gemv_shapes`)."""
+    others = tuple(sorted({tuple(s) for s in shapes} - {tuple(shape)}))
+    key = (processor_key(), str(dtype), quantization, shape, pack, others)
     plan = _MEASURED.get(key)
     if plan is None:
         packed = measure_pack(shape, dtype) if pack is None else pack
         switch = gemv = 0
+        apart: tuple[tuple[int, int, int], ...] = ()
         if quantization != "none" and switch_rows is None:
             switch = measure_switch(shape, dtype, quantization, packed)
         if quantization == "none" and dtype == torch.bfloat16:
             gemv = measure_gemv(shape, packed)
-        plan = LinearPlan(quantization, packed, switch, gemv)
+            # The other shapes start from the typical shape's count: below it the products
+            # only stream their weights, whatever the shape (and their probes are short).
+            for o, i in others if gemv else ():
+                rows = measure_gemv((o, i), packed, above=gemv)
+                apart += ((o, i, rows),) if rows != gemv else ()
+        plan = LinearPlan(quantization, packed, switch, gemv, apart)
         if pack is None or quantization != "none" or gemv:
             log.info("linears on %s in %s: %s (measured)", key[0], dtype, plan.describe())
         _MEASURED[key] = plan
