@@ -24,7 +24,8 @@ alone, the chunk's prefill alone (a fresh cache), and both in one forward
 (`runner.forward_segments`), the three interleaved step by step; the table gives the medians
 and one forward's time over the two apart.
 
-`--split` splits, instead, one decode step of each lean configuration by part: each of the C++
+`--split` splits, instead, one decode step of each lean configuration (with `--mixed`, one forward
+carrying the decode step and each prompt chunk) by part: each of the C++
 ops (`decode_attention`, `add_rms_norm`, `rope`, `silu_mul`, ...) and each product (`qkv`, `o`,
 `gate_up`, `down`, `lm_head`), wall-clock ms per step summed over the layers (a timing wrapper
 around each call; the rest of the step is Python and torch's small ops).
@@ -133,7 +134,7 @@ def main() -> int:
         gemv_rows = cfg.pop("gemv_rows", None)
         runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
         if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
-            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows))
+            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=())
             runner.lean = LeanLlama(
                 runner.model, plan, runner.info.max_length + 1, runner.precision.dtype
             )
@@ -141,10 +142,10 @@ def main() -> int:
     first = next(iter(runners.values()))
     ids = _prompt(first, args.cols)
     rows_list = [int(r) for r in args.rows.split(",")]
-    if args.mixed:
-        return _mixed_table(args, runners, ids, rows_list)
     if args.split:
         return _split_table(args, runners, ids, rows_list)
+    if args.mixed:
+        return _mixed_table(args, runners, ids, rows_list)
     table: dict[tuple[str, int], list[float]] = {}
     for rows in rows_list:
         batches = {n: _batch(r, ids, rows) for n, r in runners.items()}
@@ -202,6 +203,37 @@ def _segment(ids: list[int], rows: int, cols: int, cache: object) -> Segment:
     return Segment(x, torch.ones_like(x), pos, cache)
 
 
+def _chunks(args: argparse.Namespace, ids: list[int]) -> list[tuple[int, int]]:
+    """`--mixed`'s prompt chunks as (prompts, columns)."""
+    chunks = [tuple(int(v) for v in c.split("x")) for c in args.mixed.split(",")]
+    if any(len(c) != 2 or max(c[1], 1) > len(ids) for c in chunks):
+        raise SystemExit(f"--mixed wants ROWSxCOLS with COLS <= --cols ({args.cols})")
+    return [(c[0], c[1]) for c in chunks]
+
+
+def _mixed_step(
+    runner: CausalLMRunner, kv: KVBatch, ids: list[int], chunk: tuple[int, int]
+) -> float:
+    """Seconds of one forward carrying `kv`'s decode step and a fresh prompt `chunk`."""
+    step_ids, step_mask, step_pos = kv.step_inputs()
+    segs = [
+        Segment(step_ids, step_mask, step_pos, kv.cache),
+        _segment(ids, chunk[0], chunk[1], runner.new_cache()),
+    ]
+    t0 = time.perf_counter()
+    runner.forward_segments(segs)
+    elapsed = time.perf_counter() - t0
+    kv.rollback()
+    return elapsed
+
+
+def _one(
+    runner: CausalLMRunner, kv: KVBatch, ids: list[int], chunk: tuple[int, int] | None
+) -> float:
+    """Seconds of one decode step, with prompt `chunk` in the same forward where given."""
+    return _step(runner, kv) if chunk is None else _mixed_step(runner, kv, ids, chunk)
+
+
 def _mixed_table(
     args: argparse.Namespace,
     runners: dict[str, CausalLMRunner],
@@ -209,9 +241,7 @@ def _mixed_table(
     rows_list: list[int],
 ) -> int:
     """Decode step, prompt chunk, and both in one forward, per config, rows and chunk."""
-    chunks = [tuple(int(v) for v in c.split("x")) for c in args.mixed.split(",")]
-    if any(len(c) != 2 or max(c[1], 1) > len(ids) for c in chunks):
-        raise SystemExit(f"--mixed wants ROWSxCOLS with COLS <= --cols ({args.cols})")
+    chunks = _chunks(args, ids)
     lines = [
         *_header(),
         f"Milliseconds, medians of {args.steps} of each, interleaved; the running batch's rows",
@@ -234,15 +264,7 @@ def _mixed_table(
                     t0 = time.perf_counter()
                     runner.forward(seg.input_ids, seg.mask, seg.positions, seg.cache)
                     pf = time.perf_counter() - t0
-                    step_ids, step_mask, step_pos = kv.step_inputs()
-                    segs = [
-                        Segment(step_ids, step_mask, step_pos, kv.cache),
-                        _segment(ids, prompts, cols, runner.new_cache()),
-                    ]
-                    t0 = time.perf_counter()
-                    runner.forward_segments(segs)
-                    mx = time.perf_counter() - t0
-                    kv.rollback()
+                    mx = _mixed_step(runner, kv, ids, (prompts, cols))
                     if i >= 3:  # the first three warm up
                         times["decode"].append(d)
                         times["prefill"].append(pf)
@@ -287,11 +309,14 @@ def _split_table(
     ids: list[int],
     rows_list: list[int],
 ) -> int:
-    """One decode step per config and row count, split by C++ op and product."""
+    """One decode step per config and row count (with `--mixed`: one forward carrying it and
+    each prompt chunk), split by C++ op and product."""
+    chunks: list[tuple[int, int] | None] = [*_chunks(args, ids)] if args.mixed else [None]
+    what = "forward (decode step and prompt chunk)" if args.mixed else "decode step"
     lines = [
         *_header(),
-        f"Milliseconds per decode step (mean of {args.steps}), {args.cols} cached columns; "
-        "`step` is the median whole step.",
+        f"Milliseconds per {what} (mean of {args.steps}), {args.cols} cached columns; "
+        "`step` is the median whole forward.",
         "",
     ]
     for name, runner in runners.items():
@@ -308,22 +333,24 @@ def _split_table(
             for part in _PARTS:
                 setattr(layer, part, _timed(getattr(layer, part), part, spent))
         lines += [f"{name} ({lean.plan.describe()}):", ""]
-        table: dict[int, tuple[float, dict[str, float]]] = {}
+        table: dict[str, tuple[float, dict[str, float]]] = {}
         for rows in rows_list:
             kv = _batch(runner, ids, rows)
-            for _ in range(3):
-                _step(runner, kv)
-            spent.clear()
-            steps = [_step(runner, kv) for _ in range(args.steps)]
-            table[rows] = (statistics.median(steps), dict(spent))
+            for chunk in chunks:
+                for _ in range(3):
+                    _one(runner, kv, ids, chunk)
+                spent.clear()
+                steps = [_one(runner, kv, ids, chunk) for _ in range(args.steps)]
+                label = f"{rows} rows" + (f" + {chunk[0]} x {chunk[1]}" if chunk else "")
+                table[label] = (statistics.median(steps), dict(spent))
             del kv
         parts = sorted({k for _, sp in table.values() for k in sp})
-        lines.append("| part | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
-        lines.append("|---|" + "---:|" * len(rows_list))
+        lines.append("| part | " + " | ".join(table) + " |")
+        lines.append("|---|" + "---:|" * len(table))
         for part in parts:
-            cells = [f"{1000 * table[r][1].get(part, 0.0) / args.steps:.2f}" for r in rows_list]
+            cells = [f"{1000 * sp.get(part, 0.0) / args.steps:.2f}" for _, sp in table.values()]
             lines.append(f"| {part} | " + " | ".join(cells) + " |")
-        whole = [f"{1000 * table[r][0]:.1f}" for r in rows_list]
+        whole = [f"{1000 * med:.1f}" for med, _ in table.values()]
         lines.append("| step | " + " | ".join(whole) + " |")
         lines.append("")
         lean.kernel, lean.lm_head = kernel, head
