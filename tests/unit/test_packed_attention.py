@@ -85,7 +85,7 @@ def test_grouped_causal_prompts_on_tiles(heads: int, kv_heads: int, dim: int, ca
     head reads its group's key/value head, and causal tokens see only those before them."""
     op = da.decode_attention_op()
     assert op is not None
-    lengths = [1, 15, 16, 17, 33, 130]
+    lengths = [1, 15, 16, 17, 33, 64, 130, 400]
     gen = torch.Generator().manual_seed(heads * dim)
     width = (heads + 2 * kv_heads) * dim
     qkv = (2 * torch.randn(sum(lengths), width, generator=gen)).bfloat16()
