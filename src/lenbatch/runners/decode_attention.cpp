@@ -46,6 +46,21 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// `n` elements of `buf` from a 64-byte boundary (`zeroed64`: all zero): each row a tile loads or
+// stores is then one cache line, not two.
+template <typename T>
+T* at64(std::vector<T>& buf, int64_t n) {
+  const size_t need = static_cast<size_t>(n) + 64 / sizeof(T);
+  if (buf.size() < need) buf.resize(need);
+  const auto at = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((at + 63) & ~uintptr_t(63));
+}
+template <typename T>
+T* zeroed64(std::vector<T>& buf, int64_t n) {
+  buf.assign(static_cast<size_t>(n) + 64 / sizeof(T), T(0));
+  return at64(buf, n);
+}
+
 #if defined(__AVX512F__)
 // 16 values as float32: bfloat16 is the top half of a float32, so widening is a shift.
 inline __m512 load16(const c10::BFloat16* p) {
@@ -856,17 +871,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out, b
   if (use_amx && rows > kAmxAbove && in % 32 == 0 && amx_ready()) {
     const int64_t mtiles = (rows + 15) / 16;
     const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-    std::vector<uint16_t> last;  // a last partial row tile, padded with zero rows
+    std::vector<uint16_t> pad;
+    uint16_t* last = nullptr;  // a last partial row tile, padded with zero rows
     if (rows % 16) {
-      last.assign(16 * in, 0);
-      std::memcpy(last.data(), xp + (mtiles - 1) * 16 * in, (rows % 16) * in * sizeof(uint16_t));
+      last = zeroed64(pad, 16 * in);
+      std::memcpy(last, xp + (mtiles - 1) * 16 * in, (rows % 16) * in * sizeof(uint16_t));
     }
     const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
     uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
     const int64_t duos = (blocks + 1) / 2;  // blocks go in pairs (two B tiles)
     at::parallel_for(0, duos, 4, [&](int64_t d0, int64_t d1) {
-      amx_linear_blocks(xp, last.empty() ? nullptr : last.data(), mtiles, in, w, pairs, yp, rows,
-                        out, 2 * d0, std::min(blocks, 2 * d1));
+      amx_linear_blocks(xp, last, mtiles, in, w, pairs, yp, rows, out, 2 * d0,
+                        std::min(blocks, 2 * d1));
     });
     return y;
   }
@@ -1202,20 +1218,6 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* xlast, int64_t mtiles,
     }
   }
   _tile_release();
-}
-
-// `n` elements of `buf` from a 64-byte boundary (`zeroed64`: all zero): each row a tile loads or
-// stores is then one cache line, not two.
-template <typename T>
-T* at64(std::vector<T>& buf, int64_t n) {
-  if (buf.size() < n + 64 / sizeof(T)) buf.resize(n + 64 / sizeof(T));
-  const auto at = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<T*>((at + 63) & ~uintptr_t(63));
-}
-template <typename T>
-T* zeroed64(std::vector<T>& buf, int64_t n) {
-  buf.assign(n + 64 / sizeof(T), T(0));
-  return at64(buf, n);
 }
 
 // Buffers a thread reuses across its blocks of queries.
