@@ -21,10 +21,11 @@ A `RowLinear` is called with its input `[rows, in]` and the row count (tokens in
   family 6 model 207 (2 threads), SmolLM2's 121 products, weights streamed from memory: 12.7 /
   13.1 / 14.7 / 21.1 ms at 1 / 2 / 4 / 8 rows against oneDNN prepacked's 22.8 / 22.4 / 20.8 /
   22.4. On a CPU with AMX the op runs more than four rows on the tile unit, the same packed
-  weights read as its B tiles: there it beats oneDNN's product up to 32-64 rows (SmolLM2's
-  120 layer products at 8 / 16 / 32 rows: 11.8 / 11.7 / 10.5 ms against 17.7 / 18.0 / 14.7),
-  which covers a decode step of a busy server. It keeps its own copy of the weights beside the
-  dense product's.
+  weights read as its B tiles: there it beats oneDNN's product into prompt chunks (SmolLM2's
+  120 layer products at 32 / 160 / 400 rows: 8.5 / 19.2 / 44.4 ms against 13.6 / 23.3 / 57.4),
+  by how much depending on the weight's shape, so each layer shape gets its own row count
+  (`LinearPlan.gemv_shapes`). It keeps its own copy of the weights beside the dense
+  product's.
 
 With float32 activations both run lenbatch's own C++ loop instead (`GroupLinear`, the op
 `group_linear` in `decode_attention.cpp`), where the CPU has AVX-512 and a compiler: torch's
