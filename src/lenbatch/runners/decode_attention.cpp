@@ -1434,8 +1434,8 @@ void packed_attention_amx(const c10::BFloat16* qkv, const int64_t* o, int64_t se
     _tile_loadd(7, w.ones, 64);
     for (int64_t t = begin; t < end; ++t) {
       // task t: sequence s, then head h, then block b (b fastest)
-      int64_t s = 0;
-      while (block0[s + 1] * heads <= t) ++s;
+      const int64_t g = t / heads;  // t's sequence is the one holding block g of the count
+      const int64_t s = std::upper_bound(block0.begin(), block0.end(), g) - block0.begin() - 1;
       const int64_t blocks = block0[s + 1] - block0[s], r = t - block0[s] * heads;
       const int64_t h = r / blocks, b = r % blocks, n = o[s + 1] - o[s];
       const int64_t at = kv_at(s, h / group);
@@ -1462,7 +1462,6 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
   TORCH_CHECK(qkv.size(1) % (heads + 2 * kv_heads) == 0,
               "packed_attention: qkv's width is not (heads + 2 kv_heads) x head_dim");
   const int64_t head_dim = qkv.size(1) / (heads + 2 * kv_heads), hidden = heads * head_dim;
-  const int64_t group = heads / kv_heads;
   TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128,
               "packed_attention: head_dim must be 32, 64 or 128");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
