@@ -25,10 +25,10 @@ alone, the chunk's prefill alone (a fresh cache), and both in one forward
 and one forward's time over the two apart.
 
 `--split` splits, instead, one decode step of each lean configuration (with `--mixed`, one forward
-carrying the decode step and each prompt chunk) by part: each of the C++
-ops (`decode_attention`, `add_rms_norm`, `rope`, `silu_mul`, ...) and each product (`qkv`, `o`,
-`gate_up`, `down`, `lm_head`), wall-clock ms per step summed over the layers (a timing wrapper
-around each call; the rest of the step is Python and torch's small ops).
+carrying the decode step and each prompt chunk) by part: each of the C++ ops
+(`decode_attention`, `add_rms_norm`, `rope`, ...) and each product (`qkv`, `o`, `gate_up_silu`
+with its activation, `down`, `lm_head`), wall-clock ms per step summed over the layers (a
+timing wrapper around each call; the rest of the step is Python and torch's small ops).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> int:
         gemv_rows = cfg.pop("gemv_rows", None)
         runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
         if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
-            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=())
+            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=(), gated_rows=0)
             runner.lean = LeanLlama(
                 runner.model, plan, runner.info.max_length + 1, runner.precision.dtype
             )
@@ -300,7 +300,8 @@ def _timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
     return call
 
 
-_PARTS = ("qkv", "o", "gate_up", "down")  # a lean layer's products
+# a lean layer's products (`gate_up_silu`: the gate/up product and its activation)
+_PARTS = ("qkv", "o", "gate_up_silu", "down")
 
 
 def _split_table(

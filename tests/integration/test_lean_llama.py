@@ -222,7 +222,7 @@ def test_int4_keeps_the_output_matrix_in_int8(
     grouped = ops == "auto" and decode_attention.decode_attention_op() is not None
     r = CausalLMRunner(tiny_llama_dir, quantization="int4", quant_switch_rows=8, pack=False)
     assert r.lean is not None
-    layer = r.lean.layers[0].gate_up
+    layer = r.lean.layers[0].gate_up_silu.linear
     head = r.lean.lm_head
     assert isinstance(layer, SwitchLinear) and isinstance(head, SwitchLinear)
     if grouped:

@@ -185,3 +185,126 @@ def test_plan_measures_the_other_shapes_only_where_the_op_runs(
     probed.clear()
     none = weightonly.plan_for((40, 8), torch.bfloat16, pack=False, shapes=shapes)
     assert probed == [((40, 8), 0)] and none.gemv_rows == 0 and none.gemv_shapes == ()
+
+
+def test_gate_up_layout_puts_each_gate_block_beside_its_up_block() -> None:
+    """`pack_gate_up`: block 2j holds gate outputs 16j..16j+15, block 2j + 1 the up outputs
+    of the same indices, each laid out as `pack_bf16_weight` lays a block; a gate/up weight
+    whose halves are not whole blocks is refused."""
+    from lenbatch.runners.weightonly import pack_gate_up
+
+    w = _bf16(96, 10, seed=8)  # inter 48: three blocks a half
+    wp = pack_gate_up(w)
+    plain = pack_bf16_weight(w)
+    assert wp.shape == (6, 5, 16, 2)
+    for j in range(3):
+        assert torch.equal(wp[2 * j], plain[j])  # gate block j
+        assert torch.equal(wp[2 * j + 1], plain[3 + j])  # up block j
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_gate_up(_bf16(48, 10, seed=8))
+
+
+@needs_op
+@pytest.mark.parametrize("use_amx", [True, False])
+@pytest.mark.parametrize("inter,inp", [(48, 96), (16, 64), (96, 576), (32, 71)])
+def test_gate_up_silu_equals_the_product_then_the_activation(
+    inter: int, inp: int, use_amx: bool
+) -> None:
+    """`bf16_gate_up_silu` gives the bits of `bf16_linear` then `silu_mul` at every row count
+    the op specialises (vector loop, one to eleven row tiles, partial last tiles, an odd
+    count of block pairs), and is within bfloat16 rounding of silu(gate) * up computed in
+    float64 from the rounded products."""
+    op = gemv_op()
+    assert op is not None
+    from lenbatch.runners.weightonly import GatedGemv
+
+    w = _bf16(2 * inter, inp, seed=9)
+    fused = GatedGemv(w, op)
+    plain = pack_bf16_weight(w)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 50, 161):
+        x = _bf16(rows, inp, seed=rows)
+        y = op.bf16_gate_up_silu(x, fused.packed, inter, use_amx)
+        assert y.shape == (rows, inter) and y.dtype == torch.bfloat16
+        gu = op.bf16_linear(x, plain, 2 * inter, use_amx)
+        assert torch.equal(y, op.silu_mul(gu)), rows
+        g, u = gu.double().chunk(2, dim=-1)
+        exact = F.silu(g) * u
+        assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all(), rows
+
+
+@needs_op
+def test_make_gate_up_silu_fuses_up_to_gated_rows() -> None:
+    """Up to `gated_rows` rows the activation comes from the fused op, above it from the
+    dense product then `silu_mul`; both give silu(gate) * up of the layer. Without gated
+    rows, or in float32, the plain linear under the plan and then the activation."""
+    from lenbatch.runners.decode_attention import decode_attention_op
+    from lenbatch.runners.weightonly import GatedGemv, make_gate_up_silu
+
+    kernel = decode_attention_op()
+    w = _bf16(64, 96, seed=10)
+    act = make_gate_up_silu(w, LinearPlan(pack=False, gemv_rows=4, gated_rows=16), None, kernel)
+    assert isinstance(act.fused, GatedGemv) and act.fused_rows == 16
+    assert isinstance(act.linear, DenseLinear)
+    for rows in (3, 16, 17, 40):
+        x = _bf16(rows, 96, seed=rows)
+        gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        y = act(x, rows)
+        assert y.shape == (rows, 32)
+        assert torch.allclose(y.double(), ref, rtol=2**-6, atol=1e-4), rows
+    torch_ops = make_gate_up_silu(w, LinearPlan(pack=False, gemv_rows=4, gated_rows=16), None, None)
+    x = _bf16(40, 96, seed=11)
+    assert torch.allclose(torch_ops(x, 40).float(), act(x, 40).float(), rtol=2**-6, atol=1e-4)
+    unfused = make_gate_up_silu(w, LinearPlan(pack=False, gemv_rows=4), None, kernel)
+    assert unfused.fused is None and isinstance(unfused.linear, SwitchLinear)
+    f32 = make_gate_up_silu(w.float(), LinearPlan(pack=False, gated_rows=16), None, kernel)
+    assert f32.fused is None and isinstance(f32.linear, DenseLinear)
+
+
+def test_plan_probes_the_gated_shape_from_its_gemv_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan_for(..., gated=shape)` probes the fused gate/up product once, from the count
+    `Bf16Gemv` won for that shape, and not at all where `Bf16Gemv` never won."""
+    from lenbatch.runners import weightonly
+
+    found = {(96, 32): 64, (32, 96): 256}
+    gated: list[tuple[tuple[int, int], int]] = []
+
+    def measure(shape: tuple[int, int], pack: bool, above: int = 0) -> int:
+        return found.get(shape, 0)
+
+    def measure_gated(shape: tuple[int, int], pack: bool, above: int = 0) -> int:
+        gated.append((shape, above))
+        return 512
+
+    monkeypatch.setattr(weightonly, "measure_gemv", measure)
+    monkeypatch.setattr(weightonly, "measure_gated", measure_gated)
+    monkeypatch.setattr(weightonly, "_MEASURED", {})
+    shapes = [(96, 32), (32, 96)]
+    plan = weightonly.plan_for((32, 96), torch.bfloat16, pack=False, shapes=shapes, gated=(96, 32))
+    assert gated == [((96, 32), 64)] and plan.gated_rows == 512
+    assert plan.describe().endswith("gate/up fused with silu up to 512 rows")
+    found.clear()
+    gated.clear()
+    none = weightonly.plan_for((8, 8), torch.bfloat16, pack=False, shapes=shapes, gated=(96, 32))
+    assert gated == [] and none.gated_rows == 0
+
+
+def test_gated_probe_goes_on_to_a_whole_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`measure_gated` races the fused op against the dense product then the activation at
+    each probed count above `above`, up to 1024 rows (a whole prompt runs in one pass)."""
+    from lenbatch.runners import weightonly
+
+    calls: list[int] = []
+
+    def race(a: object, b: object, reps: int = 9) -> tuple[float, float]:
+        calls.append(1)
+        return (1.0, 2.0)
+
+    monkeypatch.setattr(weightonly, "_race", race)
+    monkeypatch.setattr(weightonly, "gemv_op", lambda: object())
+    monkeypatch.setattr(weightonly, "_ops_with", lambda name: object())
+    monkeypatch.setattr(weightonly, "_probe_weights", lambda shape, dtype: [_bf16(64, 32, seed=4)])
+    monkeypatch.setattr(weightonly, "GatedGemv", lambda w, op: None)
+    assert weightonly.measure_gated((64, 32), pack=False, above=128) == 1024
+    assert len(calls) == 3  # 256, 512, 1024
+    assert weightonly.measure_gated((48, 32), pack=False) == 0  # halves not whole blocks

@@ -231,6 +231,7 @@ class CausalLMRunner:
             pack=pack,
             switch_rows=switch_rows,
             shapes=llama_shapes(self.model),
+            gated=shape,
         )
         path = LeanLlama(self.model, plan, self.info.max_length + 1, self.precision.dtype)
         log.info(path.describe())

@@ -38,7 +38,14 @@ import torch.nn.functional as F
 from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.linears import rounded_tokens
-from lenbatch.runners.weightonly import GroupLinear, LinearPlan, RowLinear, make_linear
+from lenbatch.runners.weightonly import (
+    GateUpSilu,
+    GroupLinear,
+    LinearPlan,
+    RowLinear,
+    make_gate_up_silu,
+    make_linear,
+)
 
 __all__ = ["LeanLlama", "lean_unsupported"]
 
@@ -96,7 +103,7 @@ class _Layer:
     qkv: RowLinear
     o: RowLinear
     ln2: torch.Tensor
-    gate_up: RowLinear
+    gate_up_silu: GateUpSilu  # the MLP's gate/up product and its activation
     down: RowLinear
 
 
@@ -152,7 +159,7 @@ class LeanLlama:
                     qkv=make_linear(qkv, plan, self.dtype, large_rows=True),
                     o=make_linear(att.o_proj.weight.detach(), plan, self.dtype, large_rows=True),
                     ln2=layer.post_attention_layernorm.weight.detach().to(self.dtype),
-                    gate_up=make_linear(gate_up, plan, self.dtype, large_rows=True),
+                    gate_up_silu=make_gate_up_silu(gate_up, plan, self.dtype, self.kernel),
                     down=make_linear(
                         mlp.down_proj.weight.detach(), plan, self.dtype, large_rows=True
                     ),
@@ -175,7 +182,7 @@ class LeanLlama:
         """One line for the start-up log: how the linears run, and which kernel runs the
         quantized products (lenbatch's group-of-32 loop or torch's)."""
         line = f"lean Llama path: {len(self.layers)} layers, linears {self.plan.describe()}"
-        small = getattr(self.layers[0].gate_up, "small", None) if self.layers else None
+        small = getattr(self.layers[0].gate_up_silu.linear, "small", None) if self.layers else None
         if isinstance(small, GroupLinear):
             line += (
                 " (quantized products: lenbatch's C++ loop over groups of 32 in float32, GGUF "
@@ -339,13 +346,7 @@ class LeanLlama:
             parts += filler
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = self._add_norm(h, layer.o(a, stream), layer.ln2)
-            gu = layer.gate_up(x, stream)
-            if kernel is not None and gu.dim() == 2 and gu.is_contiguous():
-                act = kernel.silu_mul(gu)  # one pass, one rounding
-            else:
-                gate, up = gu.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            down = layer.down(act, stream)
+            down = layer.down(layer.gate_up_silu(x, stream), stream)
             if i < last_layer:
                 h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
             else:
