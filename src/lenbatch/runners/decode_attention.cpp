@@ -19,7 +19,9 @@
 // activation), each one pass where torch runs a
 // handful of small ops, each paying its dispatch on every layer; `group_linear`, weight-only
 // products in groups of 32 with float32 activations (GGUF's Q4_1 / Q8_0 blocks); and
-// `bf16_linear`, bfloat16 products of a few rows that stream the weights once.
+// `bf16_linear`, bfloat16 products of a few rows that stream the weights once (on AMX tiles,
+// of a prompt's rows too), and `bf16_gate_up_silu`, a gated MLP's gate/up product that writes
+// its activation.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

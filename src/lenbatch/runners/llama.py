@@ -4,7 +4,9 @@ Hugging Face still loads the model (GGUF or safetensors, tokenizer, generation c
 the reference and the fallback for other architectures; `LeanLlama` takes the loaded weights and
 runs the same computation with less per-step overhead:
 
-* q/k/v fused into one matrix product, gate/up into another (7 linears per layer become 4);
+* q/k/v fused into one matrix product, gate/up into another (7 linears per layer become 4); in
+  bfloat16 the gate/up product writes its activation `silu(gate) * up` where the C++ op is
+  built and measured faster (`weightonly.make_gate_up_silu`), else `silu_mul` follows it;
 * every linear behind `weightonly.make_linear`: oneDNN-prepacked weights where that is faster than
   `F.linear` on this CPU (a layer's weight keeps its plain copy for a whole prompt's row counts
   where `F.linear` measured faster for its shape), or weight-only int8 / int4 (`--quantize`)
