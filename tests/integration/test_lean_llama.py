@@ -319,3 +319,57 @@ def test_whole_prompts_on_amx_tiles_match_torch_attention(
     assert torch.equal(tiles.argmax(-1), torch_.argmax(-1))
     prompt = ids[0].tolist()
     assert runners["auto"].greedy_alone(prompt, 8) == runners["off"].greedy_alone(prompt, 8)
+
+
+@pytest.mark.skipif(
+    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
+    reason="a prompt's attention runs on AMX tiles only on a CPU that has them",
+)
+def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of different lengths in one job (left-padded, nothing cached before them): each
+    row's real tokens take the tile attention as one sequence. The logits agree with torch's
+    masked attention (`LENBATCH_AMX=off`) within bfloat16 rounding and pick the same tokens,
+    and each row's agree with that prompt run alone."""
+    from lenbatch.runners.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "llama-hd32", "llama", hidden=128, heads=4)
+    runners = {}
+    for amx in ("auto", "off"):
+        monkeypatch.setenv("LENBATCH_AMX", amx)
+        runner = CausalLMRunner(folder, name="tiny-llama", dtype="bfloat16")
+        assert runner.lean is not None and runner.lean.tiles is (amx == "auto")
+        runners[amx] = runner
+    gen = torch.Generator().manual_seed(4)
+    lengths = (70, 23, 49)
+    ids = torch.zeros((3, 70), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, 70 - n :] = torch.randint(5, 500, (n,), generator=gen)
+        mask[r, 70 - n :] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    auto = runners["auto"]
+    assert auto.lean is not None
+    op, starts = auto.lean.kernel, []
+
+    class Spy:  # records the sequences the tile attention is given
+        def __getattr__(self, name: str) -> Any:
+            return getattr(op, name)
+
+        def packed_attention(self, qkv: torch.Tensor, offsets: torch.Tensor, *a: Any) -> Any:
+            starts.append(offsets.tolist())
+            return op.packed_attention(qkv, offsets, *a)
+
+    auto.lean.kernel = Spy()
+    tiles = auto.forward(ids, mask, pos, auto.new_cache())
+    auto.lean.kernel = op
+    assert starts and all(s == [0, 70, 93, 142] for s in starts)  # every layer, real tokens
+    torch_ = runners["off"].forward(ids, mask, pos, runners["off"].new_cache())
+    scale = float(torch_.abs().max())
+    torch.testing.assert_close(tiles, torch_, atol=0.03 * scale, rtol=0)
+    assert torch.equal(tiles.argmax(-1), torch_.argmax(-1))
+    for r, n in enumerate(lengths):
+        one = ids[r : r + 1, 70 - n :]
+        alone = auto.forward(one, torch.ones_like(one), torch.arange(n)[None], auto.new_cache())
+        torch.testing.assert_close(tiles[r : r + 1], alone, atol=0.03 * scale, rtol=0)

@@ -15,9 +15,11 @@ runs the same computation with less per-step overhead:
   per forward (shared by every layer), not a 4-D float mask rebuilt per layer;
 * a decode step's attention through a small C++ op (`runners/decode_attention.py`, built just
   in time on a CPU with AVX-512) that reads only each row's real columns of the KV window, once
-  per key/value head for all its query heads; a whole unpadded prompt's causal attention in
-  bfloat16 on a CPU with AMX through the same build's `packed_attention` (tile products straight
-  from the fused Q/K/V rows); elsewhere torch's `F.scaled_dot_product_attention` with
+  per key/value head for all its query heads; a prompt's causal attention in bfloat16 on a CPU
+  with AMX through the same build's `packed_attention` (tile products straight from the fused
+  Q/K/V rows) where nothing is cached before it: whole prompts, and left-padded prompts of a
+  job, each row's real tokens gathered as one sequence (later chunks of a prompt still read
+  their cached columns through SDPA); elsewhere torch's `F.scaled_dot_product_attention` with
   grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
   views; `LeanLlama._attend`).
 
@@ -228,6 +230,21 @@ class LeanLlama:
             return None
         return self.attention_mask(seg.mask, new)
 
+    @staticmethod
+    def _real_tokens(seg: Segment) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For prompt rows with no cached columns before them: the indices of their real
+        tokens among the segment's `rows x new` tokens, and each row's start among those (the
+        offsets `packed_attention` takes; the last is their count). None for a decode step or
+        a chunk after cached columns."""
+        new = int(seg.input_ids.shape[1])
+        if new == 1 or int(seg.mask.shape[1]) != new:
+            return None
+        real = seg.mask.bool()
+        counts = real.sum(dim=1)
+        starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=starts[1:])
+        return real.reshape(-1).nonzero().flatten(), starts
+
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
@@ -311,6 +328,13 @@ class LeanLlama:
         tables = [(self.cos[s.positions], self.sin[s.positions]) for s in segments]
         masks = [self._prefill_mask(s) for s in segments]
         kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
+        tiles = self.tiles and kernel is not None
+        # Left-padded prompts with nothing cached before them (a job of prompts of different
+        # lengths, its first chunk): their real tokens, gathered, take the tile attention too.
+        gathers = [
+            self._real_tokens(s) if tiles and m is not None else None
+            for s, m in zip(segments, masks, strict=True)
+        ]
         shape = (hidden,)
         x = F.rms_norm(h, shape, self.layers[0].ln1, self.eps)
         last_layer = len(self.layers) - 1
@@ -332,16 +356,21 @@ class LeanLlama:
                 v = qkv[:, nh + nkv :]
                 keys, values = seg.cache.update(k, v, i)
                 rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
-                if (
-                    masks[j] is None
-                    and self.tiles
-                    and kernel is not None
-                    and rows_qkv.is_contiguous()
-                ):  # whole prompts: straight from their rows (rotated in place above)
+                if masks[j] is None and tiles and kernel is not None and rows_qkv.is_contiguous():
+                    # whole prompts: straight from their rows (rotated in place above)
                     starts = torch.arange(0, counts[j] + 1, new, dtype=torch.long)
                     parts.append(
                         kernel.packed_attention(rows_qkv, starts, nh, self.scale, True, nkv, True)
                     )
+                    continue
+                gather = gathers[j]
+                if gather is not None and kernel is not None:
+                    # each row's real tokens as one sequence; the padding's output is zero
+                    real, starts = gather
+                    att = kernel.packed_attention(
+                        rows_qkv.index_select(0, real), starts, nh, self.scale, True, nkv, True
+                    )
+                    parts.append(att.new_zeros(counts[j], nh * hd).index_copy_(0, real, att))
                     continue
                 a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
                 parts.append(a.reshape(counts[j], nh * hd))
