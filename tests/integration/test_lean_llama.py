@@ -288,6 +288,21 @@ def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
         assert float(F.cosine_similarity(got, ref).min()) > least, q
 
 
+def _tiles_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A tiny bfloat16 Llama twice: prompts' attention on AMX tiles ("auto") and torch's
+    ("off")."""
+    from lenbatch.runners.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "llama-hd32", "llama", hidden=128, heads=4)
+    runners = {}
+    for amx in ("auto", "off"):
+        monkeypatch.setenv("LENBATCH_AMX", amx)
+        runner = CausalLMRunner(folder, name="tiny-llama", dtype="bfloat16")
+        assert runner.lean is not None and runner.lean.tiles is (amx == "auto")
+        runners[amx] = runner
+    return runners
+
+
 @pytest.mark.skipif(
     "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
     reason="a whole prompt's attention runs on AMX tiles only on a CPU that has them",
@@ -299,15 +314,7 @@ def test_whole_prompts_on_amx_tiles_match_torch_attention(
     heads) runs as tile products from the fused Q/K/V rows; its logits agree with torch's
     flash attention (`LENBATCH_AMX=off`) within bfloat16 rounding, and greedy decoding from
     them picks the same tokens. Two prompts of one length in one forward: two sequences."""
-    from lenbatch.runners.tiny import build_tiny_model
-
-    folder = build_tiny_model(tmp_path / "llama-hd32", "llama", hidden=128, heads=4)
-    runners = {}
-    for amx in ("auto", "off"):
-        monkeypatch.setenv("LENBATCH_AMX", amx)
-        runner = CausalLMRunner(folder, name="tiny-llama", dtype="bfloat16")
-        assert runner.lean is not None and runner.lean.tiles is (amx == "auto")
-        runners[amx] = runner
+    runners = _tiles_and_torch(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(5, 500, (2, 70), generator=gen)
     mask = torch.ones_like(ids)
@@ -332,15 +339,7 @@ def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
     row's real tokens take the tile attention as one sequence. The logits agree with torch's
     masked attention (`LENBATCH_AMX=off`) within bfloat16 rounding and pick the same tokens,
     and each row's agree with that prompt run alone."""
-    from lenbatch.runners.tiny import build_tiny_model
-
-    folder = build_tiny_model(tmp_path / "llama-hd32", "llama", hidden=128, heads=4)
-    runners = {}
-    for amx in ("auto", "off"):
-        monkeypatch.setenv("LENBATCH_AMX", amx)
-        runner = CausalLMRunner(folder, name="tiny-llama", dtype="bfloat16")
-        assert runner.lean is not None and runner.lean.tiles is (amx == "auto")
-        runners[amx] = runner
+    runners = _tiles_and_torch(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     lengths = (70, 23, 49)
     ids = torch.zeros((3, 70), dtype=torch.long)

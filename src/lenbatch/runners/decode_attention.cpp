@@ -900,17 +900,24 @@ void amx_linear(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
 }
 #endif
 
+// x bfloat16 [rows, in], contiguous, and wp `blocks` blocks of 16 outputs by x's column pairs
+// (`what` names that count in the error), as `bf16_linear` and `bf16_gate_up_silu` read them.
+void check_packed_operands(const at::Tensor& x, const at::Tensor& wp, int64_t blocks,
+                           const char* op, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
+              ": x must be bfloat16 [rows, in], contiguous");
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
+                  wp.size(0) == blocks && wp.size(1) == (x.size(1) + 1) / 2 &&
+                  wp.size(2) == 16 && wp.size(3) == 2,
+              op, ": wp must be bfloat16 [", what, ", ceil(in / 2), 16, 2], contiguous, for x's "
+              "columns");
+}
+
 // y [rows, out] = x [rows, in] @ W.T, x bfloat16 contiguous, W as `wp` (see above); more than
 // `kAmxAbove` rows run on the AMX tile unit where the CPU has one and `use_amx` is true.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out, bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "bf16_linear: x must be bfloat16 [rows, in], contiguous");
   const int64_t rows = x.size(0), in = x.size(1), pairs = (in + 1) / 2, blocks = (out + 15) / 16;
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
-                  wp.size(0) == blocks && wp.size(1) == pairs && wp.size(2) == 16 &&
-                  wp.size(3) == 2,
-              "bf16_linear: wp must be bfloat16 [ceil(out / 16), ceil(in / 2), 16, 2], "
-              "contiguous, for x's columns");
+  check_packed_operands(x, wp, blocks, "bf16_linear", "ceil(out / 16)");
   auto y = at::empty({rows, out}, x.options());
 #if defined(LENBATCH_AMX)
   if (use_amx && rows > kAmxAbove && in % 32 == 0 && amx_ready()) {
@@ -941,15 +948,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out, b
 // then reads it back (SmolLM2, 400 rows, 30 layers: 6.1 ms for `silu_mul` alone).
 at::Tensor bf16_gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter,
                              bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "bf16_gate_up_silu: x must be bfloat16 [rows, in], contiguous");
-  const int64_t rows = x.size(0), in = x.size(1), pairs = (in + 1) / 2, blocks = inter / 8;
   TORCH_CHECK(inter > 0 && inter % 16 == 0, "bf16_gate_up_silu: inter must be a multiple of 16");
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
-                  wp.size(0) == blocks && wp.size(1) == pairs && wp.size(2) == 16 &&
-                  wp.size(3) == 2,
-              "bf16_gate_up_silu: wp must be bfloat16 [inter / 8, ceil(in / 2), 16, 2], "
-              "contiguous, for x's columns");
+  const int64_t rows = x.size(0), in = x.size(1), pairs = (in + 1) / 2, blocks = inter / 8;
+  check_packed_operands(x, wp, blocks, "bf16_gate_up_silu", "inter / 8");
   auto y = at::empty({rows, inter}, x.options());
 #if defined(LENBATCH_AMX)
   if (use_amx && rows > kAmxAbove && in % 32 == 0 && amx_ready()) {
