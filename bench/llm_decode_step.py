@@ -18,8 +18,9 @@ Configurations: `hf` is transformers' forward (`lean=False`), `lean` the lean Ll
 `weightonly.Bf16Gemv`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
 switch point to weight-only kernels) printed beside it. The processor key heads the table.
 
-`--mixed ROWSxCOLS,...` times, instead, what continuous batching runs on the lean path: for each
-row count and prompt chunk (ROWS prompts of COLS tokens of the same text), the decode step
+`--mixed ROWSxCOLS[@CACHED],...` times, instead, what continuous batching runs on the lean path:
+for each row count and prompt chunk (ROWS prompts of COLS tokens of the same text, after CACHED
+tokens of it already in the chunk's cache: a prompt's later chunk), the decode step
 alone, the chunk's prefill alone (a fresh cache), and both in one forward
 (`runner.forward_segments`), the three interleaved step by step; the table gives the medians
 and one forward's time over the two apart.
@@ -117,7 +118,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="write the table (markdown) here")
     p.add_argument(
         "--mixed",
-        metavar="ROWSxCOLS,...",
+        metavar="ROWSxCOLS[@CACHED],...",
         help="time these prompt chunks alone, the decode step alone, and both in one forward",
     )
     p.add_argument("--split", action="store_true", help="split each decode step by op and product")
@@ -196,30 +197,57 @@ def _write(lines: list[str], out: Path | None) -> int:
     return 0
 
 
-def _segment(ids: list[int], rows: int, cols: int, cache: object) -> Segment:
-    """`rows` copies of the first `cols` tokens of `ids`, as a fresh prompt's chunk."""
-    x = torch.tensor([ids[:cols]] * rows)
-    pos = torch.arange(cols)[None].repeat(rows, 1)
-    return Segment(x, torch.ones_like(x), pos, cache)
+Chunk = tuple[int, int, int]  # prompts, columns, columns cached before them
 
 
-def _chunks(args: argparse.Namespace, ids: list[int]) -> list[tuple[int, int]]:
-    """`--mixed`'s prompt chunks as (prompts, columns)."""
-    chunks = [tuple(int(v) for v in c.split("x")) for c in args.mixed.split(",")]
-    if any(len(c) != 2 or max(c[1], 1) > len(ids) for c in chunks):
-        raise SystemExit(f"--mixed wants ROWSxCOLS with COLS <= --cols ({args.cols})")
-    return [(c[0], c[1]) for c in chunks]
+def _segment(runner: CausalLMRunner, ids: list[int], chunk: Chunk) -> Segment:
+    """`rows` copies of `cols` tokens of `ids` as a prompt's chunk, in a fresh cache that
+    holds the `cached` tokens before them (prefilled here, untimed)."""
+    rows, cols, cached = chunk
+    cache = runner.new_cache()
+    if cached:
+        before = torch.tensor([ids[:cached]] * rows)
+        runner.forward(
+            before, torch.ones_like(before), torch.arange(cached).expand(rows, -1), cache
+        )
+    x = torch.tensor([ids[cached : cached + cols]] * rows)
+    pos = torch.arange(cached, cached + cols)[None].repeat(rows, 1)
+    return Segment(x, torch.ones(rows, cached + cols, dtype=torch.long), pos, cache)
+
+
+def _chunks(args: argparse.Namespace, ids: list[int]) -> list[Chunk]:
+    """`--mixed`'s prompt chunks as (prompts, columns, cached columns): ROWSxCOLS[@CACHED]."""
+    chunks = []
+    for c in args.mixed.split(","):
+        shape, _, cached = c.partition("@")
+        prompts, _, cols = shape.partition("x")
+        chunks.append((int(prompts), int(cols), int(cached or 0)))
+    if any(cols < 1 or cols + cached > len(ids) for _, cols, cached in chunks):
+        raise SystemExit(
+            f"--mixed wants ROWSxCOLS[@CACHED] with COLS + CACHED <= --cols ({args.cols})"
+        )
+    return chunks
+
+
+def _label(chunk: Chunk) -> str:
+    return f"{chunk[0]} x {chunk[1]}" + (f" after {chunk[2]}" if chunk[2] else "")
 
 
 def _mixed_step(
-    runner: CausalLMRunner, kv: KVBatch, ids: list[int], chunk: tuple[int, int]
+    runner: CausalLMRunner,
+    kv: KVBatch,
+    ids: list[int],
+    chunk: Chunk,
+    spent: dict[str, float] | None = None,
 ) -> float:
-    """Seconds of one forward carrying `kv`'s decode step and a fresh prompt `chunk`."""
+    """Seconds of one forward carrying `kv`'s decode step and a prompt `chunk` (`spent`, the
+    split's per-part sums, left as they were by the untimed prefill of its cached columns)."""
     step_ids, step_mask, step_pos = kv.step_inputs()
-    segs = [
-        Segment(step_ids, step_mask, step_pos, kv.cache),
-        _segment(ids, chunk[0], chunk[1], runner.new_cache()),
-    ]
+    before = dict(spent or {})
+    segs = [Segment(step_ids, step_mask, step_pos, kv.cache), _segment(runner, ids, chunk)]
+    if spent is not None:
+        spent.clear()
+        spent.update(before)
     t0 = time.perf_counter()
     runner.forward_segments(segs)
     elapsed = time.perf_counter() - t0
@@ -228,10 +256,14 @@ def _mixed_step(
 
 
 def _one(
-    runner: CausalLMRunner, kv: KVBatch, ids: list[int], chunk: tuple[int, int] | None
+    runner: CausalLMRunner,
+    kv: KVBatch,
+    ids: list[int],
+    chunk: Chunk | None,
+    spent: dict[str, float] | None = None,
 ) -> float:
     """Seconds of one decode step, with prompt `chunk` in the same forward where given."""
-    return _step(runner, kv) if chunk is None else _mixed_step(runner, kv, ids, chunk)
+    return _step(runner, kv) if chunk is None else _mixed_step(runner, kv, ids, chunk, spent)
 
 
 def _mixed_table(
@@ -256,15 +288,15 @@ def _mixed_table(
             raise SystemExit(f"{name}: not on the lean path, no forward over several caches")
         for rows in rows_list:
             kv = _batch(runner, ids, rows)
-            for prompts, cols in chunks:
+            for chunk in chunks:
                 times: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": []}
                 for i in range(args.steps + 3):
                     d = _step(runner, kv)
-                    seg = _segment(ids, prompts, cols, runner.new_cache())
+                    seg = _segment(runner, ids, chunk)
                     t0 = time.perf_counter()
                     runner.forward(seg.input_ids, seg.mask, seg.positions, seg.cache)
                     pf = time.perf_counter() - t0
-                    mx = _mixed_step(runner, kv, ids, (prompts, cols))
+                    mx = _mixed_step(runner, kv, ids, chunk)
                     if i >= 3:  # the first three warm up
                         times["decode"].append(d)
                         times["prefill"].append(pf)
@@ -272,7 +304,7 @@ def _mixed_table(
                 med = {k: 1000 * statistics.median(v) for k, v in times.items()}
                 apart = med["decode"] + med["prefill"]
                 lines.append(
-                    f"| {name} | {rows} | {prompts} x {cols} | {med['decode']:.1f} | "
+                    f"| {name} | {rows} | {_label(chunk)} | {med['decode']:.1f} | "
                     f"{med['prefill']:.1f} | {apart:.1f} | {med['mixed']:.1f} | "
                     f"{med['mixed'] / apart:.2f} |"
                 )
@@ -312,7 +344,7 @@ def _split_table(
 ) -> int:
     """One decode step per config and row count (with `--mixed`: one forward carrying it and
     each prompt chunk), split by C++ op and product."""
-    chunks: list[tuple[int, int] | None] = [*_chunks(args, ids)] if args.mixed else [None]
+    chunks: list[Chunk | None] = [*_chunks(args, ids)] if args.mixed else [None]
     what = "forward (decode step and prompt chunk)" if args.mixed else "decode step"
     lines = [
         *_header(),
@@ -341,8 +373,8 @@ def _split_table(
                 for _ in range(3):
                     _one(runner, kv, ids, chunk)
                 spent.clear()
-                steps = [_one(runner, kv, ids, chunk) for _ in range(args.steps)]
-                label = f"{rows} rows" + (f" + {chunk[0]} x {chunk[1]}" if chunk else "")
+                steps = [_one(runner, kv, ids, chunk, spent) for _ in range(args.steps)]
+                label = f"{rows} rows" + (f" + {_label(chunk)}" if chunk else "")
                 table[label] = (statistics.median(steps), dict(spent))
             del kv
         parts = sorted({k for _, sp in table.values() for k in sp})

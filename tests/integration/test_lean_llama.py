@@ -336,9 +336,10 @@ def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts of different lengths in one job (left-padded, nothing cached before them): each
-    row's real tokens take the tile attention as one sequence. The logits agree with torch's
-    masked attention (`LENBATCH_AMX=off`) within bfloat16 rounding and pick the same tokens,
-    and each row's agree with that prompt run alone."""
+    row's real tokens take the tile attention (`chunk_attention`, each row from its first real
+    column). The logits agree with torch's masked attention (`LENBATCH_AMX=off`) within
+    bfloat16 rounding and pick the same tokens, and each row's agree with that prompt run
+    alone."""
     runners = _tiles_and_torch(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     lengths = (70, 23, 49)
@@ -349,21 +350,9 @@ def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
         mask[r, 70 - n :] = 1
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     auto = runners["auto"]
-    assert auto.lean is not None
-    op, starts = auto.lean.kernel, []
-
-    class Spy:  # records the sequences the tile attention is given
-        def __getattr__(self, name: str) -> Any:
-            return getattr(op, name)
-
-        def packed_attention(self, qkv: torch.Tensor, offsets: torch.Tensor, *a: Any) -> Any:
-            starts.append(offsets.tolist())
-            return op.packed_attention(qkv, offsets, *a)
-
-    auto.lean.kernel = Spy()
+    starts = _spy_chunk_attention(auto)
     tiles = auto.forward(ids, mask, pos, auto.new_cache())
-    auto.lean.kernel = op
-    assert starts and all(s == [0, 70, 93, 142] for s in starts)  # every layer, real tokens
+    assert starts == [[0, 47, 21]] * 2  # every layer, each row from its first real column
     torch_ = runners["off"].forward(ids, mask, pos, runners["off"].new_cache())
     scale = float(torch_.abs().max())
     torch.testing.assert_close(tiles, torch_, atol=0.03 * scale, rtol=0)
@@ -372,3 +361,58 @@ def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
         one = ids[r : r + 1, 70 - n :]
         alone = auto.forward(one, torch.ones_like(one), torch.arange(n)[None], auto.new_cache())
         torch.testing.assert_close(tiles[r : r + 1], alone, atol=0.03 * scale, rtol=0)
+
+
+def _spy_chunk_attention(runner: Any) -> list[list[int]]:
+    """Records the first real columns `chunk_attention` is given, one list per call."""
+    assert runner.lean is not None
+    op, starts = runner.lean.kernel, []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(op, name)
+
+        def chunk_attention(self, qkv: torch.Tensor, k: Any, v: Any, first: Any, *a: Any) -> Any:
+            starts.append(first.tolist())
+            return op.chunk_attention(qkv, k, v, first, *a)
+
+    runner.lean.kernel = Spy()
+    return starts
+
+
+@pytest.mark.skipif(
+    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
+    reason="a prompt's attention runs on AMX tiles only on a CPU that has them",
+)
+def test_later_prompt_chunks_on_amx_tiles_match_torch_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A left-padded job prefilled in three chunks (the padding of one row reaching into the
+    second): every chunk takes the tile attention over its rows' cached columns and its own.
+    Each chunk's logits agree with torch's masked attention (`LENBATCH_AMX=off`) within
+    bfloat16 rounding (rows whose chunk ends in padding have no logits to compare), the last
+    picks the same tokens, and it agrees with the whole job run in one forward."""
+    runners = _tiles_and_torch(tmp_path, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    lengths, width = (90, 60, 41), 90
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, width - n :] = torch.randint(5, 500, (n,), generator=gen)
+        mask[r, width - n :] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    auto, off = runners["auto"], runners["off"]
+    starts = _spy_chunk_attention(auto)
+    caches = {"auto": auto.new_cache(), "off": off.new_cache()}
+    for lo, hi in ((0, 37), (37, 70), (70, 90)):
+        part = (ids[:, lo:hi], mask[:, :hi], pos[:, lo:hi])
+        real = mask[:, hi - 1].bool()
+        tiles = auto.forward(*part, caches["auto"])[real]
+        torch_ = off.forward(*part, caches["off"])[real]
+        scale = float(torch_.abs().max())
+        torch.testing.assert_close(tiles, torch_, atol=0.03 * scale, rtol=0)
+    assert torch.equal(tiles.argmax(-1), torch_.argmax(-1))
+    # two layers a chunk; the last row has no real column in the first chunk
+    assert starts == [[0, 30, 37]] * 2 + [[0, 30, 49]] * 4
+    whole = auto.forward(ids, mask, pos, auto.new_cache())
+    torch.testing.assert_close(tiles, whole, atol=0.03 * scale, rtol=0)

@@ -103,6 +103,56 @@ def test_grouped_causal_prompts_on_tiles(heads: int, kv_heads: int, dim: int, ca
     torch.testing.assert_close(got.float(), torch.cat(want), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(not AMX, reason="a prompt chunk's attention runs only on AMX tiles")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_chunk_attention_over_cached_columns(heads: int, kv_heads: int, dim: int) -> None:
+    """A prompt chunk's attention (`chunk_attention`): the chunk's queries are the last `new`
+    of each row's window columns, each attends causally over its row's real columns (left
+    padding first, none read), keys and values read in place from a strided cache window. The
+    reference: float32 SDPA with the causal and padding mask over every column; the chunk's
+    padding queries come out zero. Rows: no padding, padding before the chunk, padding into
+    the chunk, a chunk off the 16-key blocks, a row whose real columns start in its last
+    block, and a row with nothing real yet."""
+    op = da.decode_attention_op()
+    assert op is not None
+    cases = [  # (window width, new columns, each row's first real column)
+        (400, 150, [0]),
+        (300, 100, [0, 37, 250]),
+        (170, 170, [0, 5, 60]),
+        (33, 17, [3, 16]),
+        (500, 30, [200, 471, 500]),
+    ]
+    gen = torch.Generator().manual_seed(heads * dim)
+    for width, new, starts in cases:
+        rows = len(starts)
+        qkv = torch.randn(rows * new, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+        window = torch.randn(2, rows, kv_heads, width + 9, dim, generator=gen).bfloat16()
+        keys, values = window[0, :, :, :width], window[1, :, :, :width]  # views, as a cache's
+        first = torch.tensor(starts, dtype=torch.long)
+        got = op.chunk_attention(qkv, keys, values, first, heads, dim**-0.5)
+        cols = torch.arange(width)
+        real = cols[None, :] >= first[:, None]  # [rows, width]
+        queries = cols[width - new :]
+        allowed = (cols[None, :] <= queries[:, None])[None] & real[:, None, :]
+        allowed |= (cols[None, :] == queries[:, None])[None]  # no empty row: padding queries
+        q = qkv.float().view(rows, new, -1)[:, :, : heads * dim]
+        q = q.view(rows, new, heads, dim).transpose(1, 2)
+        want = F.scaled_dot_product_attention(
+            q, keys.float(), values.float(), attn_mask=allowed[:, None], enable_gqa=True
+        )
+        want = want.transpose(1, 2).reshape(rows * new, heads * dim)
+        want[~real[:, width - new :].reshape(-1)] = 0
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        op.chunk_attention(qkv.float(), keys, values, first, heads, 0.1)
+    with pytest.raises(RuntimeError, match="starts must be int64"):
+        op.chunk_attention(qkv, keys, values, first[:1], heads, 0.1)
+    with pytest.raises(RuntimeError, match="starts must lie in"):
+        op.chunk_attention(qkv, keys, values, first + width, heads, 0.1)
+    with pytest.raises(RuntimeError, match="new at most the keys' width"):
+        op.chunk_attention(qkv, keys[:, :, :10], values[:, :, :10], first, heads, 0.1)
+
+
 def test_refuses_what_it_cannot_compute() -> None:
     op = da.decode_attention_op()
     assert op is not None

@@ -17,9 +17,9 @@ runs the same computation with less per-step overhead:
   in time on a CPU with AVX-512) that reads only each row's real columns of the KV window, once
   per key/value head for all its query heads; a prompt's causal attention in bfloat16 on a CPU
   with AMX through the same build's `packed_attention` (tile products straight from the fused
-  Q/K/V rows) where nothing is cached before it: whole prompts, and left-padded prompts of a
-  job, each row's real tokens gathered as one sequence (later chunks of a prompt still read
-  their cached columns through SDPA); elsewhere torch's `F.scaled_dot_product_attention` with
+  Q/K/V rows) for a whole prompt, and through its `chunk_attention` for a job's left-padded
+  rows and a prompt's later chunks (each row over its real columns, cached ones included,
+  read in place from the cache); elsewhere torch's `F.scaled_dot_product_attention` with
   grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
   views; `LeanLlama._attend`).
 
@@ -231,19 +231,20 @@ class LeanLlama:
         return self.attention_mask(seg.mask, new)
 
     @staticmethod
-    def _real_tokens(seg: Segment) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For prompt rows with no cached columns before them: the indices of their real
-        tokens among the segment's `rows x new` tokens, and each row's start among those (the
-        offsets `packed_attention` takes; the last is their count). None for a decode step or
-        a chunk after cached columns."""
-        new = int(seg.input_ids.shape[1])
-        if new == 1 or int(seg.mask.shape[1]) != new:
+    def _first_columns(seg: Segment) -> torch.Tensor | None:
+        """For a prompt chunk (several new columns) whose rows' real columns each run
+        unbroken to the end (left padding only, as a prefill job's rows lie): each row's first
+        real column, which `chunk_attention` takes. None for a decode step, or for a mask
+        with holes."""
+        new, width = int(seg.input_ids.shape[1]), int(seg.mask.shape[1])
+        if new == 1:
             return None
         real = seg.mask.bool()
-        counts = real.sum(dim=1)
-        starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
-        torch.cumsum(counts, 0, out=starts[1:])
-        return real.reshape(-1).nonzero().flatten(), starts
+        starts = width - real.sum(dim=1)
+        cols = torch.arange(width, device=real.device)
+        if not torch.equal(real, cols[None, :] >= starts[:, None]):
+            return None
+        return starts
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
@@ -329,10 +330,10 @@ class LeanLlama:
         masks = [self._prefill_mask(s) for s in segments]
         kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
         tiles = self.tiles and kernel is not None
-        # Left-padded prompts with nothing cached before them (a job of prompts of different
-        # lengths, its first chunk): their real tokens, gathered, take the tile attention too.
-        gathers = [
-            self._real_tokens(s) if tiles and m is not None else None
+        # Prompt chunks with a mask (a job's left-padded rows; a later chunk, over its cached
+        # columns) take the tile attention too, each row over its real columns.
+        firsts = [
+            self._first_columns(s) if tiles and m is not None else None
             for s, m in zip(segments, masks, strict=True)
         ]
         shape = (hidden,)
@@ -363,14 +364,12 @@ class LeanLlama:
                         kernel.packed_attention(rows_qkv, starts, nh, self.scale, True, nkv, True)
                     )
                     continue
-                gather = gathers[j]
-                if gather is not None and kernel is not None:
-                    # each row's real tokens as one sequence; the padding's output is zero
-                    real, starts = gather
-                    att = kernel.packed_attention(
-                        rows_qkv.index_select(0, real), starts, nh, self.scale, True, nkv, True
+                first = firsts[j]
+                if first is not None and kernel is not None and rows_qkv.is_contiguous():
+                    # each row over its real columns; the padding's output is zero
+                    parts.append(
+                        kernel.chunk_attention(rows_qkv, keys, values, first, nh, self.scale)
                     )
-                    parts.append(att.new_zeros(counts[j], nh * hd).index_copy_(0, real, att))
                     continue
                 a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
                 parts.append(a.reshape(counts[j], nh * hd))
