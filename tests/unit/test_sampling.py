@@ -56,6 +56,9 @@ def test_greedy_takes_the_argmax_per_row() -> None:
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 0.0]])
     p = SamplingParams(temperature=0)
     assert choose_tokens(logits, [p, p], [None, None]) == [1, 0]
+    # ties go to the first, as transformers' greedy `argmax`
+    tied = torch.randint(0, 3, (16, 500), generator=torch.Generator().manual_seed(0)).float()
+    assert choose_tokens(tied, [p] * 16, [None] * 16) == tied.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("top_p", [1e-6, 5e-324])  # 5e-324 rounds to 0 in float32

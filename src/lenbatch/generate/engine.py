@@ -314,15 +314,19 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
     async def _loop(self) -> None:
         assert self._wakeup is not None
         last: str | None = None  # the kind of the unit run last
+        previous: float | None = None  # when it started (None: the engine waited for work since)
         while True:
             self._wakeup.clear()
             scheduled = self._schedule(last)
             if scheduled.unit is None:
-                last = None
+                last, previous = None, None
                 self._publish_state()
                 await self._sleep_until_woken(scheduled.wake_at)
                 continue
             started = self.clock.now()
+            if previous is not None and last is not None:
+                self.lm.record_turn(last, started - previous)
+            previous = started
             executed = await self._execute(scheduled.unit)
             self._unit_s = self.clock.now() - started
             last = executed.kind if isinstance(executed, UnitResult) else None

@@ -52,6 +52,12 @@ class LMMetrics(Series):
             "Forward time of one unit (prefill chunk or decode step)",
             "kind",
         )
+        self.turn_time = h(
+            "lenbatch_llm_turn_seconds",
+            "One unit's whole turn when the next followed at once: its start to the next's "
+            "(forward, thread hand-offs, delivery, scheduling, HTTP on the same cores)",
+            "kind",
+        )
         self.decode_rows = h(
             "lenbatch_llm_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS
         )
@@ -95,6 +101,8 @@ class LMMetrics(Series):
         self._decode_padded = 0
         self._step_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._step_n = {"prefill": 0, "decode": 0, "mixed": 0}
+        self._turn_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
+        self._turn_n = {"prefill": 0, "decode": 0, "mixed": 0}
         self._decode_rows = 0
         self._kv = {"bytes": 0, "real_bytes": 0, "peak_bytes": 0}
 
@@ -134,6 +142,14 @@ class LMMetrics(Series):
             self.kv_padded.inc(padded)
             self._decode_real += real
             self._decode_padded += padded
+
+    def record_turn(self, kind: str, turn_s: float) -> None:
+        """A unit of `kind` and everything around it took `turn_s` seconds, from its start to
+        the start of the next, which followed without waiting for work: the part beyond its
+        forward is what the engine loses between forwards."""
+        self.turn_time.labels(kind).observe(turn_s)
+        self._turn_s[kind] = self._turn_s.get(kind, 0.0) + turn_s
+        self._turn_n[kind] = self._turn_n.get(kind, 0) + 1
 
     def record_oom(self, kind: str) -> None:
         """A unit of `kind` ran out of memory (it is split and retried)."""
@@ -181,6 +197,11 @@ class LMMetrics(Series):
                 kind: {
                     "count": n,
                     "mean_forward_ms": 1000 * self._step_s[kind] / n if n else None,
+                    # turns followed at once by the next unit: forward and what surrounds it
+                    "turns": self._turn_n.get(kind, 0),
+                    "mean_turn_ms": 1000 * self._turn_s[kind] / self._turn_n[kind]
+                    if self._turn_n.get(kind)
+                    else None,
                 }
                 for kind, n in self._step_n.items()
             },

@@ -42,7 +42,10 @@ def choose_tokens(
     """One next token per row of `logits` `[rows, vocab]`, each row by its own params."""
     if logits.shape[0] != len(params):
         raise RuntimeError(f"bug: {logits.shape[0]} logit rows for {len(params)} requests")
-    greedy = logits.argmax(dim=-1).tolist()
+    # `max(...).indices` is argmax (the first of tied maxima) at 0.6x its time: 1.16 against
+    # 1.84 ms for 27 rows of SmolLM2's 49,152 logits (Intel Xeon family 6 model 207, 2 threads),
+    # paid on every decode step.
+    greedy = logits.max(dim=-1).indices.tolist()
     out: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
