@@ -314,7 +314,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
     async def _loop(self) -> None:
         assert self._wakeup is not None
         last: str | None = None  # the kind of the unit run last
-        previous: float | None = None  # when it started (None: the engine waited for work since)
+        # the last unit: when it started and its forward's seconds (None: idle since, or failed)
+        previous: tuple[float, float] | None = None
         while True:
             self._wakeup.clear()
             scheduled = self._schedule(last)
@@ -325,11 +326,11 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 continue
             started = self.clock.now()
             if previous is not None and last is not None:
-                self.lm.record_turn(last, started - previous)
-            previous = started
+                self.lm.record_turn(last, started - previous[0], previous[1])
             executed = await self._execute(scheduled.unit)
             self._unit_s = self.clock.now() - started
             last = executed.kind if isinstance(executed, UnitResult) else None
+            previous = (started, executed.compute_s) if isinstance(executed, UnitResult) else None
             self._update(executed)
             if self.adaptive is not None and isinstance(executed, UnitResult):
                 # the whole turn (thread hand-off, delivery, HTTP on the same cores) is what a

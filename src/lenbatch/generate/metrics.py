@@ -102,6 +102,7 @@ class LMMetrics(Series):
         self._step_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._step_n = {"prefill": 0, "decode": 0, "mixed": 0}
         self._turn_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
+        self._between_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._turn_n = {"prefill": 0, "decode": 0, "mixed": 0}
         self._decode_rows = 0
         self._kv = {"bytes": 0, "real_bytes": 0, "peak_bytes": 0}
@@ -143,12 +144,13 @@ class LMMetrics(Series):
             self._decode_real += real
             self._decode_padded += padded
 
-    def record_turn(self, kind: str, turn_s: float) -> None:
+    def record_turn(self, kind: str, turn_s: float, forward_s: float) -> None:
         """A unit of `kind` and everything around it took `turn_s` seconds, from its start to
-        the start of the next, which followed without waiting for work: the part beyond its
-        forward is what the engine loses between forwards."""
+        the start of the next, which followed without waiting for work; `forward_s` of it was
+        its forward. The rest is what the engine loses between forwards."""
         self.turn_time.labels(kind).observe(turn_s)
         self._turn_s[kind] = self._turn_s.get(kind, 0.0) + turn_s
+        self._between_s[kind] = self._between_s.get(kind, 0.0) + max(0.0, turn_s - forward_s)
         self._turn_n[kind] = self._turn_n.get(kind, 0) + 1
 
     def record_oom(self, kind: str) -> None:
@@ -197,9 +199,13 @@ class LMMetrics(Series):
                 kind: {
                     "count": n,
                     "mean_forward_ms": 1000 * self._step_s[kind] / n if n else None,
-                    # turns followed at once by the next unit: forward and what surrounds it
+                    # turns followed at once by the next unit: forward and what surrounds it,
+                    # and that surround alone (the turn less its own forward)
                     "turns": self._turn_n.get(kind, 0),
                     "mean_turn_ms": 1000 * self._turn_s[kind] / self._turn_n[kind]
+                    if self._turn_n.get(kind)
+                    else None,
+                    "mean_between_forwards_ms": 1000 * self._between_s[kind] / self._turn_n[kind]
                     if self._turn_n.get(kind)
                     else None,
                 }
