@@ -288,6 +288,13 @@ def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
         assert float(F.cosine_similarity(got, ref).min()) > least, q
 
 
+# A prompt's attention runs on AMX tiles only on a CPU that has them.
+_NEEDS_AMX = pytest.mark.skipif(
+    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
+    reason="a prompt's attention runs on AMX tiles only on a CPU that has them",
+)
+
+
 def _tiles_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """A tiny bfloat16 Llama twice: prompts' attention on AMX tiles ("auto") and torch's
     ("off")."""
@@ -303,10 +310,7 @@ def _tiles_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[st
     return runners
 
 
-@pytest.mark.skipif(
-    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
-    reason="a whole prompt's attention runs on AMX tiles only on a CPU that has them",
-)
+@_NEEDS_AMX
 def test_whole_prompts_on_amx_tiles_match_torch_attention(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -328,10 +332,7 @@ def test_whole_prompts_on_amx_tiles_match_torch_attention(
     assert runners["auto"].greedy_alone(prompt, 8) == runners["off"].greedy_alone(prompt, 8)
 
 
-@pytest.mark.skipif(
-    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
-    reason="a prompt's attention runs on AMX tiles only on a CPU that has them",
-)
+@_NEEDS_AMX
 def test_left_padded_prompts_on_amx_tiles_match_torch_attention(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -380,10 +381,7 @@ def _spy_chunk_attention(runner: Any) -> list[list[int]]:
     return starts
 
 
-@pytest.mark.skipif(
-    "amx_bf16" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
-    reason="a prompt's attention runs on AMX tiles only on a CPU that has them",
-)
+@_NEEDS_AMX
 def test_later_prompt_chunks_on_amx_tiles_match_torch_attention(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
