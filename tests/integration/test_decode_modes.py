@@ -4,6 +4,7 @@ until empty, continuous batching admits under its running cap, a poison prompt f
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.errors import ModelFailed, Unavailable
 from lenbatch.generate import Generation, GenerationEngine, SamplingParams
+from lenbatch.generate.kvcache import KVBatch
 from tests.llm_reference import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -104,12 +106,18 @@ async def test_continuous_admits_at_most_max_running(llama_runner: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
-async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) -> None:
+async def test_poison_prompt_fails_alone(
+    llama_runner: Any, mode: DecodeMode, caplog: pytest.LogCaptureFixture
+) -> None:
     """A prompt the model raises on is isolated by bisecting its prefill batch; the other
-    requests of the batch are answered, and every request gets exactly one ending."""
+    requests of the batch are answered, and every request gets exactly one ending. Decoding
+    continuously with a small step budget, the poisoned half is prefilled in chunks mixed
+    into the decode steps of the half already running, so a mixed unit fails first and is
+    unmixed."""
     prompts = llama_runner.tokenize(PROMPTS[:4])
     poison = min(set(range(5, 512)) - {t for p in prompts for t in p})
-    engine = _engine(llama_runner, mode)
+    gen = {"step_tokens": 8} if mode is DecodeMode.CONTINUOUS else {}
+    engine = _engine(llama_runner, mode, **gen)
     real_forward = llama_runner.forward
 
     class Flaky:
@@ -139,6 +147,8 @@ async def test_poison_prompt_fails_alone(llama_runner: Any, mode: DecodeMode) ->
     assert [len(o) for i, o in enumerate(out) if i != 2] == [4, 4, 4]
     assert not engine.unanswered
     assert engine.queues.inflight_total == 0
+    if mode is DecodeMode.CONTINUOUS:
+        assert "unmixing" in caplog.text
 
 
 async def test_drain_finishes_admitted_requests_and_refuses_new_ones(llama_runner: Any) -> None:
@@ -239,3 +249,40 @@ async def test_an_idle_continuous_engine_admits_at_once(llama_runner: Any) -> No
         waits[mode] = gen.timings.stages()["queue"]
     assert waits[DecodeMode.CONTINUOUS] < 0.1
     assert waits[DecodeMode.LOCKSTEP] >= 0.4
+
+
+async def test_first_tokens_reach_their_streams_before_the_rows_join(
+    llama_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefilled prompt's first token is handed to its stream before its keys and values are
+    copied into the running batch (`Decoder.publish`): that copy is not part of its TTFT."""
+    engine = _engine(llama_runner, DecodeMode.CONTINUOUS)
+    streamed = threading.Event()  # the late prompt's stream has its first token
+    at_join: list[bool] = []
+    real_join = KVBatch.join
+
+    def join(self: KVBatch, *args: Any) -> None:
+        # worker thread: wait (bounded) for the event loop to stream the first token
+        at_join.append(streamed.wait(timeout=5))
+        real_join(self, *args)
+
+    monkeypatch.setattr(KVBatch, "join", join)
+    running_prompt, late_prompt = llama_runner.tokenize(PROMPTS[:2])
+    await engine.start()
+    try:
+        running = engine.submit(
+            running_prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
+        task = asyncio.create_task(_drain(engine, [running]))
+        while len(running.generated) < 2:
+            await asyncio.sleep(0.001)
+        late = engine.submit(late_prompt, SamplingParams(max_tokens=3, temperature=0))
+        deltas = []
+        async for d in engine.stream(late):
+            streamed.set()
+            deltas.append(d)
+        await task
+    finally:
+        await engine.stop()
+    assert at_join == [True], "the first token waited for the join"
+    assert sum(len(d.token_ids) for d in deltas) == len(late.generated) >= 1

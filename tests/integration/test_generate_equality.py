@@ -116,8 +116,10 @@ async def test_prefill_mixed_into_decode_steps_equals_generate_alone(
 ) -> None:
     """On the lean path, late joiners' prefill chunks run in one forward with the running
     rows' decode step (mixed units); every request still gets generate()'s tokens alone. GPT-2
-    (transformers' forward) never mixes."""
+    (transformers' forward) never mixes. The prompts go twice, so that more than FEW_ROWS rows
+    decode beside the late joiners' last chunks (with fewer, those run alone)."""
     runner, prompts, expected = greedy_refs["llama"]
+    prompts, expected = prompts * 2, expected * 2
     engine = _engine(runner, DecodeMode.CONTINUOUS, step_tokens=step_tokens)
     assert engine.decoder.mixer is not None
     got, _ = await _run_with_late_joiners(

@@ -111,6 +111,21 @@ def test_with_few_streams_running_a_chunk_may_take_twice_the_budget() -> None:
         assert unit is not None and unit.kind == "mixed" and unit.cols == cols, rows
 
 
+def test_with_few_streams_running_a_jobs_last_chunk_runs_alone() -> None:
+    """Up to FEW_ROWS running rows, the chunk that ends a job (its first tokens come out of it)
+    runs alone and the decode step follows; an earlier chunk, or any chunk beside more rows,
+    rides with the decode step."""
+    p = ContinuousPolicy(max_running=32, step_tokens=64)
+    last = _Core(jobs=deque([_Job(1, 100)]), running_rows=FEW_ROWS, mixer=object())
+    unit = p.next_unit(last, "decode")  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "prefill" and unit.cols == 100
+    assert p.next_unit(last, "prefill").kind == "decode"  # type: ignore[arg-type,union-attr]
+    earlier = _Core(jobs=deque([_Job(1, 1000)]), running_rows=FEW_ROWS, mixer=object())
+    assert p.next_unit(earlier, "decode").kind == "mixed"  # type: ignore[arg-type,union-attr]
+    many = _Core(jobs=deque([_Job(1, 50)]), running_rows=FEW_ROWS + 1, mixer=object())
+    assert p.next_unit(many, "decode").kind == "mixed"  # type: ignore[arg-type,union-attr]
+
+
 def test_continuous_chunk_is_at_least_one_column() -> None:
     """Even when running rows use the whole budget, prefill still advances."""
     p = ContinuousPolicy(max_running=64, step_tokens=8)

@@ -103,6 +103,9 @@ class Decoder:
         self.held_lanes: list[int] = []
         self.kv_peak_bytes = 0
         self.preempted = 0  # rows moved back to prefill after a decode step ran out of memory
+        # Where a unit's tokens go before the unit ends (the engine's event loop), or None:
+        # they go with the unit's result.
+        self.publish: Callable[[list[tuple[Generation, Delta]]], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -241,6 +244,11 @@ class Decoder:
         for g in job.gens:
             g.timings.prefill_end = end
         self._deliver(result, job.gens, tokens)
+        # The first tokens (and a mixed unit's decode tokens) leave now: joining the running
+        # batch below copies every layer's keys and values, which no first token waits for.
+        if self.publish is not None:
+            self.publish(result.deltas)
+            result.deltas = []
         dev = self.runner.device
         next_pos = torch.tensor(job.batch.lengths, dtype=torch.long, device=dev)
         last = torch.tensor(tokens, dtype=torch.long, device=dev)

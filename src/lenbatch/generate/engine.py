@@ -12,7 +12,9 @@ Each turn of the loop is one step, named as in vLLM's `EngineCore.step()`:
 * `_execute`: run that unit in the worker thread; a unit that raises is recovered from
   (`generate.failures`: bisect, split, preempt, or fail with an explicit error);
 * `_update`: hand the new tokens to their streams, end finished generations through the ledger,
-  free scheduler slots, record.
+  free scheduler slots, record. A unit that ends a prefill hands its tokens over earlier, from
+  the worker (`Decoder.publish`), before the new rows' keys and values are copied into the
+  running batch: no first token waits for that copy.
 
 Queues and streams are only touched on the event loop; the running batch only in the worker, one
 unit at a time. Every admitted request gets exactly one ending: its finish reason, or an explicit
@@ -22,6 +24,7 @@ error (`serving.ledger`). Submitting and streaming are `generate.streams`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -313,6 +316,14 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+
+        def publish(deltas: list[tuple[Generation, Delta]]) -> None:
+            # worker thread: the callback runs before the unit's own result is handed over
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(self._deliver_deltas, deltas)
+
+        self.decoder.publish = publish
         last: str | None = None  # the kind of the unit run last
         # the last unit: when it started and its forward's seconds (None: idle since, or failed)
         previous: tuple[float, float] | None = None
@@ -415,27 +426,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         self._publish_state()
 
     def _deliver(self, result: UnitResult) -> None:
-        """Hand new tokens to their streams, end finished generations, record."""
-        now = self.clock.now()
-        for gen, delta in result.deltas:
-            ticket = ticket_of(gen)
-            if ticket.finished:
-                continue  # cancelled while the unit ran
-            t = gen.timings
-            gaps = []
-            if not t.token_times:
-                t.first_token = now
-                self.lm.record_first_token(t.ttft, t.stages())
-            else:
-                gaps.append(now - t.token_times[-1])
-            t.token_times.append(now)
-            self.lm.record_tokens(len(delta.token_ids), gaps)
-            if delta.finish_reason is None:
-                gen.sink.put_nowait(delta)
-            else:
-                t.finished = now
-                self.lm.record_finished(t.finished - t.arrival, gen.prompt_tokens)
-                self.ledger.answer(ticket, delta)
+        """Hand new tokens to their streams, end finished generations, free slots, record."""
+        self._deliver_deltas(result.deltas)
         for lane in result.released_lanes:
             self.queues.batch_done(lane)
         self.lm.record_step(
@@ -454,6 +446,30 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 job.gens[0].timings.prefill_compute,
                 [g.timings.admitted - g.timings.queued for g in job.gens],
             )
+
+    def _deliver_deltas(self, deltas: list[tuple[Generation, Delta]]) -> None:
+        """Hand new tokens to their streams and end finished generations (event loop; also
+        called from the worker's `Decoder.publish` before its unit ends)."""
+        now = self.clock.now()
+        for gen, delta in deltas:
+            ticket = ticket_of(gen)
+            if ticket.finished:
+                continue  # cancelled while the unit ran
+            t = gen.timings
+            gaps = []
+            if not t.token_times:
+                t.first_token = now
+                self.lm.record_first_token(t.ttft, t.stages())
+            else:
+                gaps.append(now - t.token_times[-1])
+            t.token_times.append(now)
+            self.lm.record_tokens(len(delta.token_ids), gaps)
+            if delta.finish_reason is None:
+                gen.sink.put_nowait(delta)
+            else:
+                t.finished = now
+                self.lm.record_finished(t.finished - t.arrival, gen.prompt_tokens)
+                self.ledger.answer(ticket, delta)
 
     def _recovered(self, recovery: Recovery) -> None:
         """End the generations a failed unit cost, each with its error; free their slots."""

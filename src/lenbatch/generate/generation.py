@@ -63,7 +63,8 @@ class Timings:
         schedule = time from admission to the end of prefill not spent in its own prefill
         passes (collation, waiting for the running step, decode steps between prefill chunks);
         prefill = its batch's forward passes; first_token = end of prefill to delivery
-        (sampling, detokenizing, joining the decode batch, handing over the event).
+        (sampling, detokenizing, handing the token to the event loop; its rows join the decode
+        batch after that, `Decoder.publish`).
         """
         waited = (self.prefill_end - self.admitted) - self.prefill_compute
         return {

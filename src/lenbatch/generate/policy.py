@@ -15,7 +15,9 @@ length bucketing, max wait and the token budget mean the same in both; they diff
   Llama path, `Decoder.mixer`), each chunk runs in one forward with the running rows' decode
   step (a "mixed" unit, as vLLM's and llama.cpp's steps carry prompt and decode tokens
   together): the weights are read once for both and running streams keep getting tokens while
-  a prompt is prefilled. Elsewhere prefill chunks and decode steps alternate.
+  a prompt is prefilled; only a job's last chunk beside at most `FEW_ROWS` rows runs alone, so
+  that its first tokens wait for no decode row. Elsewhere prefill chunks and decode steps
+  alternate.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ __all__ = [
 # 512-token budget against 256 took TTFT P95 from 382-418 to 298-334 ms but ITL P95 from 97-100
 # to 125-136, so past FEW_ROWS the budget stays; at the light load (1.8 rows) this rule against
 # a flat 256, alternated old/new/new/old: TTFT P95 177/186 -> 153/158 ms, ITL P95 31/32 -> 29/30.
+# Up to FEW_ROWS rows, too, a job's last chunk runs alone rather than mixed: its first tokens
+# then wait only for their prompt's forward (a 400-token prompt's forward with 2 decode rows
+# mixed in takes 1.07-1.10x its forward alone, Intel Xeon family 6 model 207), and the few
+# streams take their step after it. The light load, lenbatch alone, four pairs alternated:
+# mean TTFT -5 %, ITL unchanged (bench/results/xeon-model207/README.md, thirteenth session).
 FEW_ROWS = 4
 
 
@@ -119,7 +126,11 @@ class ContinuousPolicy:
             if job.max_cols is not None:
                 cols = min(cols, job.max_cols)
             cols = min(cols, job.remaining)
-            if decoder.running_rows and decoder.mixer is not None and not job.alone:
+            # A job's last chunk gives its first tokens: beside few streams it runs alone, so
+            # they wait for no decode rows (see FEW_ROWS), and the decode step follows it.
+            first_tokens_alone = rows <= FEW_ROWS and cols >= job.remaining
+            mix = decoder.mixer is not None and not job.alone and not first_tokens_alone
+            if decoder.running_rows and mix:
                 return Unit("mixed", job, cols)
             if not decoder.running_rows or last != "prefill":
                 return Unit("prefill", job, cols)
