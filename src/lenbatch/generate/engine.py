@@ -448,8 +448,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             )
 
     def _deliver_deltas(self, deltas: list[tuple[Generation, Delta]]) -> None:
-        """Hand new tokens to their streams and end finished generations (event loop; also
-        called from the worker's `Decoder.publish` before its unit ends)."""
+        """Hand new tokens to their streams and end finished generations (on the event loop:
+        at the end of a unit, or earlier for what `Decoder.publish` sent from the worker)."""
         now = self.clock.now()
         for gen, delta in deltas:
             ticket = ticket_of(gen)
