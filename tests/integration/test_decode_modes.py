@@ -13,6 +13,7 @@ from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig
 from lenbatch.core.errors import ModelFailed, Unavailable
 from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from lenbatch.generate.kvcache import KVBatch
+from lenbatch.runners.base import Segment
 from tests.llm_reference import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -82,9 +83,13 @@ async def test_lockstep_batches_admit_nobody_until_empty(llama_runner: Any) -> N
     assert late.timings.prefill_start >= first.timings.finished
 
 
-async def test_continuous_admits_at_most_max_running(llama_runner: Any) -> None:
-    """Continuous batching never runs more sequences than `max_running`."""
-    engine = _engine(llama_runner, DecodeMode.CONTINUOUS, max_running=3)
+@pytest.mark.parametrize("strategy", ["fifo", "bucketed"])
+async def test_continuous_admits_at_most_max_running(llama_runner: Any, strategy: str) -> None:
+    """Continuous batching never runs more sequences than `max_running`, also when batches of
+    several buckets are admitted in one turn (to share a forward)."""
+    batching = BatchingConfig(strategy=strategy, boundaries=(8, 16), max_batch=8, max_wait_ms=20)
+    generation = GenerationConfig(mode=DecodeMode.CONTINUOUS, max_running=3)
+    engine = GenerationEngine(llama_runner, batching, generation=generation)
     seen: list[int] = []
     real_decode = engine.decoder.decode
 
@@ -286,3 +291,54 @@ async def test_first_tokens_reach_their_streams_before_the_rows_join(
         await engine.stop()
     assert at_join == [True], "the first token waited for the join"
     assert sum(len(d.token_ids) for d in deltas) == len(late.generated) >= 1
+
+
+async def test_a_poison_prompt_packed_with_other_jobs_fails_alone(
+    llama_runner: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prompts of several buckets arriving together are prefilled in one forward; when the
+    model raises on one of them (after writing every segment's keys and values), every job of
+    that unit starts over alone with a fresh cache, the poisoned prompt fails by itself, and
+    the others get their greedy tokens."""
+    from tests.llm_reference import reference_greedy
+
+    prompts = llama_runner.tokenize(PROMPTS[:4])
+    assert len({len(x) for x in prompts}) == 4
+    poison = min(set(range(5, 512)) - {t for x in prompts for t in x})
+    batching = BatchingConfig(strategy="bucketed", boundaries=(8, 16, 32), max_wait_ms=20)
+    engine = GenerationEngine(
+        llama_runner, batching, generation=GenerationConfig(mode=DecodeMode.CONTINUOUS)
+    )
+    assert engine.decoder.mixer is not None
+
+    class Flaky:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(llama_runner, name)
+
+        def forward_segments(self, segments: Any) -> Any:
+            # fails at the end, as a model would part-way: every segment's cache was written
+            out = llama_runner.forward_segments(segments)
+            if any(s.input_ids.shape[1] > 1 and (s.input_ids == poison).any() for s in segments):
+                raise RuntimeError("boom")
+            return out
+
+        def forward(self, ids: Any, mask: Any, pos: Any, cache: Any) -> Any:
+            return self.forward_segments([Segment(ids, mask, pos, cache)])[0]
+
+    engine.decoder.runner = Flaky()  # type: ignore[assignment]
+    clean = [list(x) for x in prompts]
+    prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]
+    p = SamplingParams(max_tokens=4, temperature=0)
+    await engine.start()
+    try:
+        seqs = [engine.submit(x, p) for x in prompts]
+        out = await _drain(engine, seqs)
+    finally:
+        await engine.stop()
+    assert "a unit of 4 prefill jobs failed" in caplog.text
+    assert isinstance(out[1], ModelFailed)
+    for i in (0, 2, 3):
+        tokens = [t for d in out[i] for t in d.token_ids]
+        assert tokens == reference_greedy(llama_runner, clean[i], 4), i
+    assert not engine.unanswered
+    assert engine.queues.inflight_total == 0

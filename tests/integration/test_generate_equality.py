@@ -88,13 +88,17 @@ async def test_chunked_prefill_equals_generate_alone(
     chunks: list[tuple[int, int, int]] = []  # (running rows, chunk columns, columns left)
     real_prefill, real_mixed = decoder.prefill, decoder.mixed
 
-    def spy_prefill(job: Any, cols: int) -> Any:
-        chunks.append((decoder.running_rows, min(cols, job.remaining), job.remaining))
-        return real_prefill(job, cols)
+    def record(job: Any, cols: int, more: Any) -> None:
+        for j, c in [(job, cols), *more]:
+            chunks.append((decoder.running_rows, min(c, j.remaining), j.remaining))
 
-    def spy_mixed(job: Any, cols: int) -> Any:
-        chunks.append((decoder.running_rows, min(cols, job.remaining), job.remaining))
-        return real_mixed(job, cols)
+    def spy_prefill(job: Any, cols: int, more: Any = ()) -> Any:
+        record(job, cols, more)
+        return real_prefill(job, cols, more)
+
+    def spy_mixed(job: Any, cols: int, more: Any = ()) -> Any:
+        record(job, cols, more)
+        return real_mixed(job, cols, more)
 
     decoder.prefill = spy_prefill  # type: ignore[method-assign]
     decoder.mixed = spy_mixed  # type: ignore[method-assign]
@@ -115,7 +119,8 @@ async def test_prefill_mixed_into_decode_steps_equals_generate_alone(
     step_tokens: int, greedy_refs: dict[str, Any]
 ) -> None:
     """On the lean path, late joiners' prefill chunks run in one forward with the running
-    rows' decode step (mixed units); every request still gets generate()'s tokens alone. GPT-2
+    rows' decode step (mixed units), and prompts of several buckets share a forward (with a
+    budget that holds them); every request still gets generate()'s tokens alone. GPT-2
     (transformers' forward) never mixes. The prompts go twice, so that more than FEW_ROWS rows
     decode beside the late joiners' last chunks (with fewer, those run alone)."""
     runner, prompts, expected = greedy_refs["llama"]
@@ -128,6 +133,10 @@ async def test_prefill_mixed_into_decode_steps_equals_generate_alone(
     assert got == expected
     steps = engine.lm.stats()["steps"]
     assert steps["mixed"]["count"] > 0, "no prefill chunk rode with a decode step"
+    if step_tokens == 256:
+        # prompts of several buckets, admitted together, share forwards
+        packed = [steps[k]["mean_jobs"] for k in ("prefill", "mixed")]
+        assert max(packed) > 1, "no unit carried several jobs' chunks"
     # a turn (a unit, its hand-offs and delivery, up to the next unit) holds its forward and
     # a thread hand-off each way
     decode = steps["decode"]

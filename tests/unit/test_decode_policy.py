@@ -148,3 +148,41 @@ def test_static_is_another_name_for_the_lockstep_policy() -> None:
         assert policy == LockstepPolicy(max_batch=8)
     policy = make_policy(GenerationConfig(mode="continuous", max_running=5), max_batch=8)  # type: ignore[arg-type]
     assert policy == ContinuousPolicy(max_running=5, step_tokens=256)
+
+
+def test_a_chunk_that_ends_its_job_leaves_the_budget_to_the_next_jobs() -> None:
+    """Where the runner can, the jobs queued behind a chunk that ends its job take what is
+    left of the unit's budget, in queue order, in the same forward: whole while they fit, the
+    last one possibly in part; packing stops at a job marked to run alone."""
+    p = ContinuousPolicy(max_running=64, step_tokens=64)
+    a, b, c, d = _Job(1, 10), _Job(2, 8), _Job(1, 30), _Job(1, 5)
+    core = _Core(jobs=deque([a, b, c, d]), running_rows=8, mixer=object())
+    unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+    # budget 64 - 8 rows = 56: a takes 10, b 2 x 8 = 16, c the last 30
+    assert unit is not None and unit.kind == "mixed" and unit.cols == 10
+    assert unit.more == ((b, 8), (c, 30)) and unit.jobs == [a, b, c]
+    # a job the budget does not hold whole is chunked, and nothing rides behind it
+    core = _Core(jobs=deque([a, _Job(1, 100), d]), running_rows=8, mixer=object())
+    unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+    assert unit is not None and [cols for _, cols in unit.chunks] == [10, 46]
+    # a first chunk that does not end its job takes no one along
+    core = _Core(jobs=deque([_Job(1, 100), d]), running_rows=8, mixer=object())
+    unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+    assert unit is not None and unit.cols == 56 and unit.more == ()
+    # a job that must run alone (a unit with it failed) stops the packing, first or later
+    core = _Core(jobs=deque([a, _Job(1, 5, alone=True), d]), running_rows=8, mixer=object())
+    assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]
+    core = _Core(jobs=deque([_Job(1, 5, alone=True), d]), running_rows=8, mixer=object())
+    assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]
+    # an idle engine prefills its first job whole and the next ones under twice the budget
+    core = _Core(jobs=deque([_Job(1, 100), _Job(1, 20), _Job(1, 50)]), mixer=object())
+    unit = p.next_unit(core, None)  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "prefill"
+    assert [cols for _, cols in unit.chunks] == [100, 20, 8]
+    # beside few rows the last chunks run without the decode step, still packed
+    core = _Core(jobs=deque([a, d]), running_rows=2, mixer=object())
+    unit = p.next_unit(core, "decode")  # type: ignore[arg-type]
+    assert unit is not None and unit.kind == "prefill" and unit.more == ((d, 5),)
+    # a runner that cannot carry several segments gets one job a unit
+    core = _Core(jobs=deque([a, d]), running_rows=8)
+    assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]

@@ -16,7 +16,7 @@ samples the next; finished and cancelled rows are then removed from the batch an
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -76,8 +76,8 @@ class UnitResult:
     prefill_tokens: int = 0  # mixed: real prompt tokens of its prefill chunk
     prefill_rows: int = 0  # mixed: rows of its prefill chunk
     prefill_padded: int = 0  # mixed: its chunk's tokens incl. padding (rows x columns)
-    job: PrefillJob | None = None  # the prefill job this unit ran
-    finished_job: bool = False
+    jobs: list[PrefillJob] = field(default_factory=list)  # the prefill jobs this unit ran
+    finished: list[PrefillJob] = field(default_factory=list)  # those whose prefill ended here
 
 
 class Decoder:
@@ -185,10 +185,11 @@ class Decoder:
 
     # ------------------------------------------------------------------ units
 
-    def _chunk(self, job: PrefillJob, cols: int) -> tuple[int, int, Segment]:
-        """Columns `[lo, hi)` of the next chunk of `job` (at most `cols`), and its inputs."""
-        if job is not self.jobs[0]:
-            raise RuntimeError("bug: prefill must run the oldest job first")
+    def _chunk(self, job: PrefillJob, cols: int, index: int = 0) -> tuple[int, int, Segment]:
+        """Columns `[lo, hi)` of the next chunk of `job` (at most `cols`), and its inputs;
+        `job` is the unit's `index`-th chunk."""
+        if index >= len(self.jobs) or job is not self.jobs[index]:
+            raise RuntimeError("bug: prefill must run the oldest jobs first, in order")
         b = job.batch
         lo, hi = job.done_cols, min(b.width, job.done_cols + max(1, cols))
         dev = self.runner.device
@@ -198,8 +199,13 @@ class Decoder:
         pos = torch.from_numpy(b.position_ids[:, lo:hi]).to(dev)
         return lo, hi, Segment(ids, mask, pos, job.cache)
 
-    def prefill(self, job: PrefillJob, cols: int) -> UnitResult:
-        """Run the next `cols` prompt columns of `job`; after its last, sample first tokens."""
+    def prefill(
+        self, job: PrefillJob, cols: int, more: Sequence[tuple[PrefillJob, int]] = ()
+    ) -> UnitResult:
+        """Run the next `cols` prompt columns of `job`; after its last, sample first tokens.
+        `more`: the next jobs' chunks in the same forward (see `_many`)."""
+        if more:
+            return self._many([(job, cols), *more], decode=False)
         lo, hi, seg = self._chunk(job, cols)
         b = job.batch
         shapes = self.shapes
@@ -211,7 +217,7 @@ class Decoder:
                 shapes.graphs.count_eager()
             logits = self.runner.forward(seg.input_ids, seg.mask, seg.positions, job.cache)
         end = self.now()
-        result = UnitResult("prefill", compute_s=end - start, rows=job.rows, job=job)
+        result = UnitResult("prefill", compute_s=end - start, rows=job.rows, jobs=[job])
         result.tokens, result.padded = self._chunk_ran(job, lo, hi, start, end)
         if hi < b.width:
             return result
@@ -239,16 +245,34 @@ class Decoder:
     ) -> None:
         """`job`'s last chunk ran and its first `tokens` are chosen: deliver them and move its
         rows into the running batch."""
-        self.jobs.popleft()
-        result.finished_job = True
+        self._first_tokens(job, result, tokens, end)
+        self._publish(result)
+        result.released_lanes.extend(self._join(job, tokens, mask))
+        result.released_lanes.extend(self._drop_done())
+
+    def _first_tokens(
+        self, job: PrefillJob, result: UnitResult, tokens: list[int], end: float
+    ) -> None:
+        """Add `job`'s first `tokens` to `result` (its prefill ends at `end`)."""
+        result.finished.append(job)
         for g in job.gens:
             g.timings.prefill_end = end
         self._deliver(result, job.gens, tokens)
-        # The first tokens (and a mixed unit's decode tokens) leave now: joining the running
-        # batch below copies every layer's keys and values, which no first token waits for.
+
+    def _publish(self, result: UnitResult) -> None:
+        """Send the unit's tokens so far to their streams now, where a `publish` is set:
+        joining the running batch copies every layer's keys and values, which no first token
+        (nor a mixed unit's decode token) waits for."""
         if self.publish is not None:
             self.publish(result.deltas)
             result.deltas = []
+
+    def _join(self, job: PrefillJob, tokens: list[int], mask: torch.Tensor) -> list[int]:
+        """Move `job` (the oldest queued job, its prefill done; `mask` its chunk's mask) into
+        the running batch; returns the scheduler lanes freed."""
+        if job is not self.jobs[0]:
+            raise RuntimeError("bug: jobs join the running batch in order")
+        self.jobs.popleft()
         dev = self.runner.device
         next_pos = torch.tensor(job.batch.lengths, dtype=torch.long, device=dev)
         last = torch.tensor(tokens, dtype=torch.long, device=dev)
@@ -259,40 +283,79 @@ class Decoder:
         else:
             self.running.join(job.cache, mask, next_pos, last)
         self.rows.extend(job.gens)
-        result.released_lanes.extend(self.release(job))
-        result.released_lanes.extend(self._drop_done())
+        return self.release(job)
 
-    def mixed(self, job: PrefillJob, cols: int) -> UnitResult:
-        """A decode step for every running row and the next `cols` prompt columns of `job`, in
-        one forward pass (`runner.forward_segments`): the weights are read once for both, and
-        running streams get their next token while a prompt is prefilled."""
+    def mixed(
+        self, job: PrefillJob, cols: int, more: Sequence[tuple[PrefillJob, int]] = ()
+    ) -> UnitResult:
+        """A decode step for every running row and the next `cols` prompt columns of `job`
+        (and the chunks in `more`), in one forward pass (`runner.forward_segments`): the
+        weights are read once for both, and running streams get their next token while a
+        prompt is prefilled."""
         dropped = self._drop_done()
-        kv = self.running
-        if kv is None or not self.rows:  # every running row ended: a prefill chunk alone
-            result = self.prefill(job, cols)
+        if self.running is None or not self.rows:  # every running row ended: prefill alone
+            result = self.prefill(job, cols, more)
             result.released_lanes[:0] = dropped
             return result
+        result = self._many([(job, cols), *more], decode=True)
+        result.released_lanes[:0] = dropped
+        return result
+
+    def _many(self, chunks: Sequence[tuple[PrefillJob, int]], *, decode: bool) -> UnitResult:
+        """One forward pass over the oldest jobs' next chunks, in queue order (every job but
+        the last finishes in it), with the running rows' decode step in front when `decode`:
+        a "mixed" unit, else a "prefill" unit of several jobs. Each segment keeps its own
+        cache and attention; the matrix products run once over every token together."""
         mixer = self.mixer
         if mixer is None:
-            raise RuntimeError("bug: a mixed unit on a runner that cannot mix")
-        lo, hi, seg = self._chunk(job, cols)
-        ids, mask, pos = kv.step_inputs()
+            raise RuntimeError("bug: several segments in one forward on a runner that cannot")
+        if any(cols < job.remaining for job, cols in chunks[:-1]):
+            raise RuntimeError("bug: only a unit's last job may stop part-way")
+        parts = [self._chunk(job, cols, i) for i, (job, cols) in enumerate(chunks)]
+        segments = [seg for _, _, seg in parts]
+        kv = self.running
+        if decode:
+            assert kv is not None
+            ids, mask, pos = kv.step_inputs()
+            segments.insert(0, Segment(ids, mask, pos, kv.cache))
         start = self.now()
-        logits, prompt_logits = mixer.forward_segments([Segment(ids, mask, pos, kv.cache), seg])
+        logits = mixer.forward_segments(segments)
         end = self.now()
         eos = self.runner.eos_token_ids
-        # Both samples are drawn before any state changes: a failure up to here leaves the
+        # Every sample is drawn before any state changes: a failure up to here leaves the
         # running batch as it was once its cache is rolled back (`generate.failures`).
-        tokens = choose_next(logits, self.rows, eos)
-        first = choose_next(prompt_logits, job.gens, eos) if hi == job.batch.width else None
-        result = UnitResult("mixed", released_lanes=dropped, compute_s=end - start, job=job)
-        self._stepped(kv, result, mask, tokens)
-        result.prefill_rows = job.rows
-        result.prefill_tokens, result.prefill_padded = self._chunk_ran(job, lo, hi, start, end)
-        if first is not None:
-            self._prefilled(job, result, first, seg.mask, end)
-        else:
-            result.released_lanes.extend(self._drop_done())
+        tokens = choose_next(logits.pop(0), self.rows, eos) if decode else []
+        firsts = [
+            choose_next(lg, job.gens, eos) if hi == job.batch.width else None
+            for lg, (job, _), (_, hi, _) in zip(logits, chunks, parts, strict=True)
+        ]
+        jobs = [job for job, _ in chunks]
+        result = UnitResult("mixed" if decode else "prefill", compute_s=end - start, jobs=jobs)
+        if decode:
+            assert kv is not None
+            self._stepped(kv, result, mask, tokens)
+        for job, (lo, hi, _) in zip(jobs, parts, strict=True):
+            real, padded = self._chunk_ran(job, lo, hi, start, end)
+            if decode:
+                result.prefill_rows += job.rows
+                result.prefill_tokens += real
+                result.prefill_padded += padded
+            else:
+                result.rows += job.rows
+                result.tokens += real
+                result.padded += padded
+        done = [
+            (job, first, seg.mask)
+            for job, first, (_, _, seg) in zip(jobs, firsts, parts, strict=True)
+            if first is not None
+        ]
+        for job, first, _ in done:
+            self._first_tokens(job, result, first, end)
+        if done:
+            self._publish(result)
+        for job, first, mask_ in done:
+            result.released_lanes.extend(self._join(job, first, mask_))
+        result.released_lanes.extend(self._drop_done())
         return result
 
     def decode(self) -> UnitResult:

@@ -8,7 +8,8 @@ Each turn of the loop is one step, named as in vLLM's `EngineCore.step()`:
 
 * `_schedule`: admit the prefill batches the decode policy has room for, through
   `core.scheduler.schedule` (the embeddings' scheduler: length buckets, max wait, token budget,
-  the same in both decode modes), and pick the next unit, a prefill chunk or a decode step;
+  the same in both decode modes), and pick the next unit: a prefill chunk, a decode step, or
+  (on the lean path) a decode step with the chunks of one or more prefill jobs in one forward;
 * `_execute`: run that unit in the worker thread; a unit that raises is recovered from
   (`generate.failures`: bisect, split, preempt, or fail with an explicit error);
 * `_update`: hand the new tokens to their streams, end finished generations through the ledger,
@@ -104,7 +105,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         # A prompt leaves room for at least one generated token.
         self.prompt_limit = self.info.max_length - 1
         lanes = resolve_lanes(self.batching, self.prompt_limit)
-        # One prefill batch in flight at a time: prefill jobs run one after another anyway.
+        # One prefill batch in flight at a time, unless one forward can carry several jobs'
+        # chunks (`_schedule` then admits one more at a time while the room lasts).
         lanes = dataclasses.replace(lanes, cfg=dataclasses.replace(lanes.cfg, slots=1))
         label = lanes.cfg.strategy.value
         is_adaptive = lanes.cfg.strategy is Strategy.ADAPTIVE
@@ -349,28 +351,54 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 self.adaptive.costs.observe(executed, self.clock.now() - started)
 
     def _schedule(self, last: str | None) -> Scheduled:
-        """Admit prefill batches if the decode policy has room; pick the next unit."""
+        """Admit prefill batches if the decode policy has room; pick the next unit.
+
+        Where one forward can carry several jobs' chunks (`Decoder.mixer`, continuous mode),
+        every batch the scheduler has ready is admitted, one at a time while the room lasts:
+        the policy packs them into a unit together. Elsewhere one batch is in flight at a
+        time (jobs would run one after another anyway)."""
         wake_at = None
         room = self.policy.capacity(self.decoder)
         if self.adaptive is not None and self.queues.size > 0:
             self._shed_overdue(self.clock.now())
         if room > 0 and self.queues.size > 0:
-            cfg = self._admission_config(room)
             now = self.clock.now()
-            decision = schedule(self.queues, now, cfg)
-            for r in decision.expired:
-                self.ledger.expire(ticket_of(r.handle))
-            for batch in decision.batches:
-                gens = [r.handle for r in batch.requests]
-                for g in gens:
-                    g.timings.admitted = now
-                    self.ledger.start(ticket_of(g), now)
-                self.decoder.add_job(batch.lane, gens, cfg.lanes[batch.lane].pad_to)
-            wake_at = decision.wake_at
+            horizon = self._horizon()
+            while True:
+                cfg = self._admission_config(room, horizon)
+                if self._several_jobs:
+                    cfg = dataclasses.replace(cfg, slots=self.queues.inflight_total + 1)
+                decision = schedule(self.queues, now, cfg)
+                for r in decision.expired:
+                    self.ledger.expire(ticket_of(r.handle))
+                for batch in decision.batches:
+                    gens = [r.handle for r in batch.requests]
+                    for g in gens:
+                        g.timings.admitted = now
+                        self.ledger.start(ticket_of(g), now)
+                    self.decoder.add_job(batch.lane, gens, cfg.lanes[batch.lane].pad_to)
+                wake_at = decision.wake_at
+                room = self.policy.capacity(self.decoder)
+                if not (self._several_jobs and decision.batches and room > 0 and self.queues.size):
+                    break
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
         return Scheduled(self.policy.next_unit(self.decoder, last), wake_at)
 
-    def _admission_config(self, room: int) -> SchedulerConfig:
+    @property
+    def _several_jobs(self) -> bool:
+        """True when several admitted batches may wait for prefill at once (see _schedule)."""
+        return (
+            self.mode == "continuous" and self.adaptive is None and self.decoder.mixer is not None
+        )
+
+    def _horizon(self) -> float:
+        """Seconds to the next chance to admit (see `_admission_config`): none for lockstep,
+        unbounded for an idle engine, else the last unit's."""
+        if self.mode != "continuous":
+            return 0.0
+        return math.inf if self.decoder.idle else self._unit_s
+
+    def _admission_config(self, room: int, horizon: float) -> SchedulerConfig:
         """The scheduler's lanes for this turn: batches of at most `room` rows and, decoding
         continuously, a max wait cut by the time to the next chance to admit.
 
@@ -382,9 +410,6 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         is admitted. Lockstep batches keep the plain max wait: nobody joins them later.
         """
         cfg = self.cfg
-        horizon = 0.0
-        if self.mode == "continuous":
-            horizon = math.inf if self.decoder.idle else self._unit_s
         if not any(p.max_batch > room or (horizon > 0 and p.max_wait > 0) for p in cfg.lanes):
             return cfg
         lanes = tuple(
@@ -414,8 +439,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             return self.decoder.decode()
         assert unit.job is not None
         if unit.kind == "mixed":
-            return self.decoder.mixed(unit.job, unit.cols)
-        return self.decoder.prefill(unit.job, unit.cols)
+            return self.decoder.mixed(unit.job, unit.cols, unit.more)
+        return self.decoder.prefill(unit.job, unit.cols, unit.more)
 
     def _update(self, executed: UnitResult | Recovery) -> None:
         """Event loop: deliver what a unit produced, or end what its failure cost."""
@@ -430,11 +455,17 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         self._deliver_deltas(result.deltas)
         for lane in result.released_lanes:
             self.queues.batch_done(lane)
+        prompt = result.prefill_tokens if result.kind == "mixed" else result.tokens
         self.lm.record_step(
-            result.kind, result.compute_s, result.rows, result.tokens, result.padded
+            result.kind,
+            result.compute_s,
+            result.rows,
+            result.tokens,
+            result.padded,
+            jobs=len(result.jobs),
+            prompt_tokens=prompt,
         )
-        job = result.job
-        if result.finished_job and job is not None:
+        for job in result.finished:
             for g in job.gens:
                 ticket_of(g).exec_s = g.timings.prefill_compute or None
             b = job.batch

@@ -8,10 +8,11 @@
 * A decode step that raises loses the whole running batch (`ModelFailed`); one that runs out of
   memory is undone and hands its newest half back to prefill (recomputed over prompt and
   generated tokens, so nothing is lost), a single row failing.
-* A mixed unit (a decode step and a prefill chunk in one forward) that raises cannot say which
-  half failed: its decode step is undone and its job starts over from its first column, marked
-  to run alone; the next units then fail, if they do, as a prefill or a decode step, and are
-  recovered as above. Nobody fails for another's prompt.
+* A mixed unit (a decode step and prefill chunks in one forward), or a prefill unit of several
+  jobs, that raises cannot say which part failed: its decode step is undone and each of its
+  jobs starts over from its first column, marked to run alone; the next units then fail, if
+  they do, as a prefill or a decode step, and are recovered as above.
+  Nobody fails for another's prompt.
 
 `recover` runs on the event loop between units (the worker is idle then), changes the
 `Decoder`'s jobs and running batch, and returns a `Recovery`: which generations end with which
@@ -50,9 +51,14 @@ def recover(decoder: Decoder, unit: Unit, exc: Exception) -> Recovery:
     """Deal with `exc`, raised by `unit`: split and retry what can be, fail the rest."""
     name = type(exc).__name__
     oom = is_out_of_memory(exc)
-    if unit.kind == "mixed" and unit.job is not None:
-        log.warning("a decode step mixed with a prefill chunk failed (%s); unmixing", name)
-        _unmix(decoder, unit.job)
+    if unit.job is not None and (unit.kind == "mixed" or unit.more):
+        log.warning(
+            "a unit of %d prefill jobs%s failed (%s); unmixing",
+            len(unit.jobs),
+            " and a decode step" if unit.kind == "mixed" else "",
+            name,
+        )
+        _unmix(decoder, unit.jobs)
         return Recovery(unit.kind, oom)
     prefill = unit.kind == "prefill" and unit.job is not None
     if oom and prefill:
@@ -76,16 +82,21 @@ def recover(decoder: Decoder, unit: Unit, exc: Exception) -> Recovery:
     return Recovery(unit.kind, oom, [(g, err) for g in lost], lanes)
 
 
-def _unmix(decoder: Decoder, job: PrefillJob) -> None:
-    """A mixed unit raised: undo the decode step's partial cache writes and restart `job`
-    from its first column with a fresh cache, to run alone."""
+def _unmix(decoder: Decoder, jobs: list[PrefillJob]) -> None:
+    """A unit of several segments raised (a decode step and prefill chunks, or several jobs'
+    chunks): undo the decode step's partial cache writes and restart each job from its
+    first column with a fresh cache, to run alone, in the same queue order."""
     if decoder.running is not None:
         decoder.running.rollback()
-    if job in decoder.jobs:
-        decoder.jobs.remove(job)
-    for g in job.gens:
-        g.timings.prefill_compute = 0.0
-    _restart(decoder, job, job.max_cols, alone=True)
+    running = {id(g) for g in decoder.rows}
+    for job in reversed(jobs):
+        if job in decoder.jobs:
+            decoder.jobs.remove(job)
+        elif all(id(g) in running for g in job.gens):
+            continue  # it joined the running batch before the failure: it is decoding
+        for g in job.gens:
+            g.timings.prefill_compute = 0.0
+        _restart(decoder, job, job.max_cols, alone=True)
 
 
 def _restart(decoder: Decoder, job: PrefillJob, max_cols: int | None, *, alone: bool) -> None:

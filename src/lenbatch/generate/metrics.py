@@ -101,6 +101,8 @@ class LMMetrics(Series):
         self._decode_padded = 0
         self._step_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._step_n = {"prefill": 0, "decode": 0, "mixed": 0}
+        self._step_jobs = {"prefill": 0, "mixed": 0}  # prefill jobs the units carried
+        self._step_prompt = {"prefill": 0, "mixed": 0}  # their real prompt tokens
         self._turn_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._between_s = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
         self._turn_n = {"prefill": 0, "decode": 0, "mixed": 0}
@@ -129,10 +131,24 @@ class LMMetrics(Series):
         self._e2e.append(e2e)
         self.prompt_tokens.inc(prompt_tokens)
 
-    def record_step(self, kind: str, compute_s: float, rows: int, real: int, padded: int) -> None:
+    def record_step(
+        self,
+        kind: str,
+        compute_s: float,
+        rows: int,
+        real: int,
+        padded: int,
+        *,
+        jobs: int = 0,
+        prompt_tokens: int = 0,
+    ) -> None:
         """One unit ran; for decode steps (and mixed units, whose decode step is counted as
-        one) `real` / `padded` are attended cache columns."""
+        one) `real` / `padded` are attended cache columns. `jobs`: the prefill jobs (scheduler
+        batches) whose chunks it carried, `prompt_tokens` their real tokens."""
         self.steps.labels(kind).inc()
+        if kind in self._step_jobs:
+            self._step_jobs[kind] += jobs
+            self._step_prompt[kind] += prompt_tokens
         self.step_time.labels(kind).observe(compute_s)
         self._step_s[kind] = self._step_s.get(kind, 0.0) + compute_s
         self._step_n[kind] = self._step_n.get(kind, 0) + 1
@@ -208,6 +224,16 @@ class LMMetrics(Series):
                     "mean_between_forwards_ms": 1000 * self._between_s[kind] / self._turn_n[kind]
                     if self._turn_n.get(kind)
                     else None,
+                    # prefill and mixed units: jobs (scheduler batches) and real prompt tokens
+                    # a unit carried
+                    **(
+                        {
+                            "mean_jobs": self._step_jobs[kind] / n if n else None,
+                            "mean_prompt_tokens": self._step_prompt[kind] / n if n else None,
+                        }
+                        if kind in self._step_jobs
+                        else {}
+                    ),
                 }
                 for kind, n in self._step_n.items()
             },

@@ -17,7 +17,10 @@ length bucketing, max wait and the token budget mean the same in both; they diff
   together): the weights are read once for both and running streams keep getting tokens while
   a prompt is prefilled; only a job's last chunk beside at most `FEW_ROWS` rows runs alone, so
   that its first tokens wait for no decode row. Elsewhere prefill chunks and decode steps
-  alternate.
+  alternate. On the same runners a chunk that ends its job leaves the rest of the unit's budget
+  to the next queued jobs (scheduler batches of other buckets, or later ones), in the same
+  forward: in a burst, short prompts then share a pass over the weights rather than queueing
+  for a unit each.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ class Unit:
     kind: Literal["prefill", "decode", "mixed"]
     job: PrefillJob | None = None
     cols: int = 0
+    # The next queued jobs' chunks in the same forward (the runner's segments), in queue
+    # order: `job` and every one of them but the last finish in this unit.
+    more: tuple[tuple[PrefillJob, int], ...] = ()
+
+    @property
+    def jobs(self) -> list[PrefillJob]:
+        """Every prefill job the unit runs a chunk of, oldest first."""
+        return [j for j, _ in self.chunks]
+
+    @property
+    def chunks(self) -> list[tuple[PrefillJob, int]]:
+        """`(job, columns)` of each prefill chunk the unit runs, oldest job first."""
+        return [] if self.job is None else [(self.job, self.cols), *self.more]
 
 
 class DecodePolicy(Protocol):
@@ -115,7 +131,9 @@ class ContinuousPolicy:
 
     def next_unit(self, decoder: Decoder, last: str | None) -> Unit | None:
         """A prefill chunk mixed with the decode step where the runner can, else prefill
-        chunks and decode steps in turn while both have work."""
+        chunks and decode steps in turn while both have work. Where the runner can, a chunk
+        that ends its job leaves what is left of the budget to the next queued jobs, in the
+        same forward."""
         if decoder.jobs:
             job = decoder.jobs[0]
             rows = decoder.running_rows
@@ -131,12 +149,37 @@ class ContinuousPolicy:
             first_tokens_alone = rows <= FEW_ROWS and cols >= job.remaining
             mix = decoder.mixer is not None and not job.alone and not first_tokens_alone
             if decoder.running_rows and mix:
-                return Unit("mixed", job, cols)
+                more = _more(decoder, cols, budget - cols * job.rows)
+                return Unit("mixed", job, cols, more)
             if not decoder.running_rows or last != "prefill":
-                return Unit("prefill", job, cols)
+                return Unit("prefill", job, cols, _more(decoder, cols, budget - cols * job.rows))
         if decoder.running_rows:
             return Unit("decode")
         return None
+
+
+def _more(decoder: Decoder, cols: int, left: int) -> tuple[tuple[PrefillJob, int], ...]:
+    """Chunks of the jobs queued after the first, in order, for the `left` tokens of a unit's
+    budget that the first job's chunk (`cols` columns) did not take. Nothing rides along
+    unless that chunk ends its job (jobs finish in queue order); packing stops at a job that
+    its chunk does not end, one that must run alone (after a failed unit), and when the
+    budget is spent. Several short prompts of a burst then share one pass over the weights
+    instead of a unit each."""
+    jobs = decoder.jobs
+    if decoder.mixer is None or jobs[0].alone or cols < jobs[0].remaining:
+        return ()
+    out: list[tuple[PrefillJob, int]] = []
+    for job in list(jobs)[1:]:
+        if job.alone or left < job.rows:
+            break
+        cols = min(job.remaining, left // job.rows)
+        if job.max_cols is not None:
+            cols = min(cols, job.max_cols)
+        out.append((job, cols))
+        left -= cols * job.rows
+        if cols < job.remaining:
+            break
+    return tuple(out)
 
 
 def make_policy(cfg: GenerationConfig, max_batch: int) -> DecodePolicy:
