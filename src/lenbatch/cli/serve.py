@@ -83,7 +83,7 @@ def register(sub: Any) -> None:
     g.add_argument(
         "--max-running",
         type=int,
-        help="continuous: most sequences decoding at once (default 32)",
+        help="continuous: most sequences decoding at once (default 64)",
     )
     g.add_argument(
         "--step-tokens",

@@ -127,8 +127,11 @@ class GenerationConfig(BaseModel):
     mode: DecodeMode = DecodeMode.CONTINUOUS
     """Decode mode: `lockstep` (a batch decodes together until all its rows stop; `static` is
     another name for it) or `continuous` batching."""
-    max_running: int = Field(32, ge=1)
-    """continuous: most sequences decoding at once (bounds the KV cache)."""
+    max_running: int = Field(64, ge=1)
+    """continuous: most sequences decoding at once (bounds the KV cache). 64 rather than 32:
+    at ten times issue 25's light load a burst's prompts no longer wait for running streams
+    to finish (TTFT P95 295-581 against 727-1,201 ms, inter-token P95 +11 % relative to the
+    decode step; Intel Xeon family 6 model 207, SmolLM2 bf16)."""
     step_tokens: int = Field(256, ge=1)
     """continuous: token budget of one step; a prefill chunk gets it minus the running rows
     (twice it while at most 4 rows decode: few streams wait on a bigger chunk)."""
