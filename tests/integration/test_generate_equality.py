@@ -256,3 +256,48 @@ async def test_a_prompt_that_runs_out_of_memory_alone_gets_503(llama_runner: Any
         await engine.stop()
     assert err.value.status == 503
     assert not engine.unanswered
+
+
+async def test_masked_cache_columns_are_never_read_on_the_lean_path(
+    greedy_refs: dict[str, Any],
+) -> None:
+    """Where the decode step reads only each row's real columns (`reads_real_columns`), the
+    running batch's masked columns are not zeroed when rows join: NaN written into every
+    masked column before each step changes no token. Where it does not, they hold zeros."""
+    runner, prompts, expected = greedy_refs["llama"]
+    engine = _engine(runner, DecodeMode.CONTINUOUS, step_tokens=256)
+    decoder = engine.decoder
+    poisoned: list[int] = []
+    real_decode, real_mixed = decoder.decode, decoder.mixed
+
+    def poison() -> None:
+        kv = decoder.running
+        if kv is None or kv.rows == 0:
+            return
+        padding = kv.mask == 0
+        if not runner.reads_real_columns:
+            for layer in kv.cache.window_layers():
+                assert not layer.keys[padding].abs().sum(), "a masked column holds garbage"
+            return
+        for layer in kv.cache.window_layers():
+            for t in (layer.keys, layer.values):
+                t.masked_fill_(padding[:, None, :, None], float("nan"))
+        poisoned.append(int(padding.sum()))
+
+    def spy_decode() -> Any:
+        poison()
+        return real_decode()
+
+    def spy_mixed(job: Any, cols: int, more: Any = ()) -> Any:
+        poison()
+        return real_mixed(job, cols, more)
+
+    decoder.decode = spy_decode  # type: ignore[method-assign]
+    decoder.mixed = spy_mixed  # type: ignore[method-assign]
+    got, _ = await _run_with_late_joiners(
+        engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    )
+    assert got == expected
+    if runner.reads_real_columns:
+        assert decoder.running is None or not decoder.running.masked_reads
+        assert sum(poisoned) > 0, "no masked column to poison: the test saw no padding"

@@ -123,6 +123,14 @@ class Decoder:
         return None
 
     @property
+    def masked_reads(self) -> bool:
+        """True when the running batch's masked columns may be read (and must hold zeros, not
+        garbage): everywhere but on a runner whose decode step reads each row's real columns
+        only (`reads_real_columns`, the lean path's decode-attention op), without fixed
+        shapes."""
+        return self.shapes is not None or not getattr(self.runner, "reads_real_columns", False)
+
+    @property
     def pending_rows(self) -> int:
         """Generations admitted but not yet prefilled."""
         return sum(j.rows for j in self.jobs)
@@ -279,7 +287,7 @@ class Decoder:
         # The prefill's keys and values are copied once, into the running batch's buffers
         # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
         if self.running is None or self.running.rows == 0:
-            self.running = KVBatch(job.cache, mask, next_pos, last)
+            self.running = KVBatch(job.cache, mask, next_pos, last, self.masked_reads)
         else:
             self.running.join(job.cache, mask, next_pos, last)
         self.rows.extend(job.gens)

@@ -81,6 +81,11 @@ class WindowLayer(DynamicLayer):
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
         self.zeroed = False  # every element of the buffers written (`fit`'s fixed shapes)
+        # False when whoever reads the cache reads only each row's real columns (the lean
+        # path's decode-attention op): the masked columns before a joining row's keys may then
+        # hold anything, and are not zeroed (torch's masked attention would turn garbage into
+        # NaN: a weight of 0 times NaN).
+        self.masked_reads = True
         self.rows = 0
         self.start = 0
         self.end = 0
@@ -233,7 +238,7 @@ class WindowLayer(DynamicLayer):
         self.start -= grow
         rows = slice(self.rows, self.rows + n)
         for buf, src in ((self.kbuf, keys), (self.vbuf, values)):
-            if not self.zeroed:  # the claimed rows' columns before their own keys: masked
+            if self.masked_reads and not self.zeroed:  # the rows' columns before their keys
                 buf[rows, :, : self.end - width].zero_()
             buf[rows, :, self.end - width : self.end] = src
         self.rows += n
@@ -287,12 +292,16 @@ class KVBatch:
     mask: torch.Tensor  # [B, W] int64, 1 = real token
     next_pos: torch.Tensor  # [B] int64
     last: torch.Tensor  # [B] int64
+    # False when the model reads only each row's real columns (`WindowLayer.masked_reads`).
+    masked_reads: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, WindowCache):
             first = _leading_padding(self.mask) if self.rows else 0
             self.cache = _to_window(self.cache, first)
             self.mask = self.mask[:, first:]
+        for layer in self._layers():
+            layer.masked_reads = self.masked_reads
 
     @property
     def rows(self) -> int:

@@ -289,6 +289,12 @@ class CausalLMRunner:
         return tokens
 
     @property
+    def reads_real_columns(self) -> bool:
+        """True when a decode step reads only each row's real cached columns (the lean path
+        with its decode-attention op built): the cache's masked columns may hold anything."""
+        return self.lean is not None and self.lean.kernel is not None
+
+    @property
     def mixes(self) -> bool:
         """True when one forward pass can carry several segments (`forward_segments`): the
         lean Llama path; transformers' forward takes one cache per call."""
