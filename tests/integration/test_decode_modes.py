@@ -34,6 +34,34 @@ async def _drain(engine: GenerationEngine, seqs: list[Generation]) -> list[Any]:
     return list(await asyncio.gather(*(one(s) for s in seqs)))
 
 
+class _Poisoned:
+    """`runner`, except that a forward with a prompt chunk (several new columns) holding token
+    `poison` raises; with `late`, only after it wrote every segment's keys and values, as a
+    model failing part-way would."""
+
+    def __init__(self, runner: Any, poison: int, *, late: bool = False) -> None:
+        self.runner, self.poison, self.late = runner, poison, late
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def _hit(self, segments: Any) -> bool:
+        return any(
+            s.input_ids.shape[1] > 1 and (s.input_ids == self.poison).any() for s in segments
+        )
+
+    def forward_segments(self, segments: Any) -> Any:
+        if not self.late and self._hit(segments):
+            raise RuntimeError("boom")
+        out = self.runner.forward_segments(segments)
+        if self.late and self._hit(segments):
+            raise RuntimeError("boom")
+        return out
+
+    def forward(self, ids: Any, mask: Any, pos: Any, cache: Any) -> Any:
+        return self.forward_segments([Segment(ids, mask, pos, cache)])[0]
+
+
 async def test_finished_rows_leave_the_batch_and_its_cache(llama_runner: Any) -> None:
     """Once a short request finishes, later decode steps run without its row, and the cache
     narrows to the rows still running."""
@@ -123,23 +151,7 @@ async def test_poison_prompt_fails_alone(
     poison = min(set(range(5, 512)) - {t for p in prompts for t in p})
     gen = {"step_tokens": 8} if mode is DecodeMode.CONTINUOUS else {}
     engine = _engine(llama_runner, mode, **gen)
-    real_forward = llama_runner.forward
-
-    class Flaky:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(llama_runner, name)
-
-        def forward(self, ids: Any, *args: Any) -> Any:
-            if ids.shape[1] > 1 and (ids == poison).any():  # prefill only
-                raise RuntimeError("boom")
-            return real_forward(ids, *args)
-
-        def forward_segments(self, segments: Any) -> Any:  # a prefill chunk mixed with decode
-            if any(s.input_ids.shape[1] > 1 and (s.input_ids == poison).any() for s in segments):
-                raise RuntimeError("boom")
-            return llama_runner.forward_segments(segments)
-
-    engine.decoder.runner = Flaky()  # type: ignore[assignment]
+    engine.decoder.runner = _Poisoned(llama_runner, poison)  # type: ignore[assignment]
     prompts[2] = [*prompts[2][:3], poison, *prompts[2][3:]]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     await engine.start()
@@ -311,21 +323,7 @@ async def test_a_poison_prompt_packed_with_other_jobs_fails_alone(
     )
     assert engine.decoder.mixer is not None
 
-    class Flaky:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(llama_runner, name)
-
-        def forward_segments(self, segments: Any) -> Any:
-            # fails at the end, as a model would part-way: every segment's cache was written
-            out = llama_runner.forward_segments(segments)
-            if any(s.input_ids.shape[1] > 1 and (s.input_ids == poison).any() for s in segments):
-                raise RuntimeError("boom")
-            return out
-
-        def forward(self, ids: Any, mask: Any, pos: Any, cache: Any) -> Any:
-            return self.forward_segments([Segment(ids, mask, pos, cache)])[0]
-
-    engine.decoder.runner = Flaky()  # type: ignore[assignment]
+    engine.decoder.runner = _Poisoned(llama_runner, poison, late=True)  # type: ignore[assignment]
     clean = [list(x) for x in prompts]
     prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]
     p = SamplingParams(max_tokens=4, temperature=0)
