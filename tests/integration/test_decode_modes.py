@@ -62,6 +62,15 @@ class _Poisoned:
         return self.forward_segments([Segment(ids, mask, pos, cache)])[0]
 
 
+async def _run(engine: GenerationEngine, prompts: list[list[int]], p: SamplingParams) -> list[Any]:
+    """Start `engine`, submit every prompt at once, and return each one's deltas or error."""
+    await engine.start()
+    try:
+        return await _drain(engine, [engine.submit(x, p) for x in prompts])
+    finally:
+        await engine.stop()
+
+
 async def test_finished_rows_leave_the_batch_and_its_cache(llama_runner: Any) -> None:
     """Once a short request finishes, later decode steps run without its row, and the cache
     narrows to the rows still running."""
@@ -126,14 +135,8 @@ async def test_continuous_admits_at_most_max_running(llama_runner: Any, strategy
         return real_decode()
 
     engine.decoder.decode = spy  # type: ignore[method-assign]
-    prompts = llama_runner.tokenize(PROMPTS)
-    await engine.start()
-    try:
-        p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        seqs = [engine.submit(x, p) for x in prompts]
-        out = await _drain(engine, seqs)
-    finally:
-        await engine.stop()
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = await _run(engine, llama_runner.tokenize(PROMPTS), p)
     assert all(len(o) for o in out)
     assert max(seen) == 3
 
@@ -154,12 +157,7 @@ async def test_poison_prompt_fails_alone(
     engine.decoder.runner = _Poisoned(llama_runner, poison)  # type: ignore[assignment]
     prompts[2] = [*prompts[2][:3], poison, *prompts[2][3:]]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    await engine.start()
-    try:
-        seqs = [engine.submit(x, p) for x in prompts]
-        out = await _drain(engine, seqs)
-    finally:
-        await engine.stop()
+    out = await _run(engine, prompts, p)
     assert isinstance(out[2], ModelFailed)
     assert [len(o) for i, o in enumerate(out) if i != 2] == [4, 4, 4]
     assert not engine.unanswered
@@ -327,12 +325,7 @@ async def test_a_poison_prompt_packed_with_other_jobs_fails_alone(
     clean = [list(x) for x in prompts]
     prompts[1] = [*prompts[1][:2], poison, *prompts[1][2:]]
     p = SamplingParams(max_tokens=4, temperature=0)
-    await engine.start()
-    try:
-        seqs = [engine.submit(x, p) for x in prompts]
-        out = await _drain(engine, seqs)
-    finally:
-        await engine.stop()
+    out = await _run(engine, prompts, p)
     assert "a unit of 4 prefill jobs failed" in caplog.text
     assert isinstance(out[1], ModelFailed)
     for i in (0, 2, 3):
