@@ -175,7 +175,8 @@ class WindowLayer(DynamicLayer):
         self.reslice()
 
     def wrote_column(self) -> None:
-        """The fixed-shape decode wrote one column at the window's end: take it in."""
+        """A decode step wrote one column at the window's end (the fixed-shape decode, or
+        the lean path's `decode_layers`): take it in."""
         self.end += 1
         self.reslice()
 
@@ -265,6 +266,33 @@ class WindowCache(Cache):
     def reserved_bytes(self) -> int:
         """Bytes of every layer's buffers, headroom included."""
         return sum(layer.reserved_bytes() for layer in self.window_layers())
+
+    def next_column(
+        self, rows: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None:
+        """For a decode step that writes its keys and values itself (the lean Llama path's
+        `decode_layers`): room for one column after the window in every layer, then every
+        layer's key and value buffers and the window `(start, end)` they share; the step
+        writes column `end` and calls `took_column`. None where that does not hold (a layer
+        not yet filled, another row count, layers whose windows differ)."""
+        layers = self.window_layers()
+        if not layers or len(layers) != len(self.layers):
+            return None
+        if any(layer.kbuf is None or layer.rows != rows for layer in layers):
+            return None
+        for layer in layers:
+            layer.reserve(rows, 0, 1)
+        start, end = layers[0].start, layers[0].end
+        if any(layer.start != start or layer.end != end for layer in layers):
+            return None
+        keys = [layer.kbuf for layer in layers if layer.kbuf is not None]
+        values = [layer.vbuf for layer in layers if layer.vbuf is not None]
+        return keys, values, start, end
+
+    def took_column(self) -> None:
+        """Every layer's column after the window was written (`next_column`): take it in."""
+        for layer in self.window_layers():
+            layer.wrote_column()
 
 
 def _leading_padding(mask: torch.Tensor) -> int:

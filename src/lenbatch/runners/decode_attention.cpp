@@ -1740,6 +1740,81 @@ at::Tensor chunk_attention(const at::Tensor& qkv, const at::Tensor& keys, const 
   return out;
 }
 
+// One decode step's decoder layers on the lean Llama path, bfloat16, every product of a few
+// rows through `bf16_linear` / `bf16_gate_up_silu`: the ops `LeanLlama.forward_segments` calls
+// one at a time from Python (the same ops, the same order, so the same bits), in one call.
+// Why: at one row a layer's eight op calls and their Python glue (slicing the fused product,
+// the cache write, views) took ~2 ms of a ~12 ms step (SmolLM2, 30 layers, Intel Xeon family
+// 6 model 207), and each call released and took back the GIL, where a server's event loop
+// could hold it.
+//
+// h, x     [rows, hidden]: the residual stream and its first RMSNorm (h is updated in place)
+// ln1, ln2 one per layer (ln1[0] is already applied in x)
+// weights  four per layer, packed as `bf16_linear` reads them: Q/K/V, O, gate/up (interleaved
+//          as `bf16_gate_up_silu` reads it), down
+// kbufs, vbufs  one per layer, [row_capacity, kv_heads, col_capacity, head_dim]: rows
+//          [0, rows) and columns [start, end) hold the cache; this step's keys and values
+//          are written at column `end` (the caller has made room)
+// cos, sin [rows, 1, head_dim]: each row's position;  mask [rows, end - start + 1] bool
+// Returns h after the last layer (before the final norm).
+at::Tensor decode_layers(at::Tensor h, at::Tensor x, const std::vector<at::Tensor>& ln1,
+                         const std::vector<at::Tensor>& ln2,
+                         const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& kbufs,
+                         const std::vector<at::Tensor>& vbufs, int64_t start, int64_t end,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
+                         int64_t heads, int64_t kv_heads, int64_t inter, double scale,
+                         double eps) {
+  const int64_t layers = static_cast<int64_t>(ln1.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(ln2.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(kbufs.size()) == layers &&
+                  static_cast<int64_t>(vbufs.size()) == layers,
+              "decode_layers: one ln1, ln2, key and value buffer and four weights per layer");
+  TORCH_CHECK(h.dim() == 2 && h.sizes() == x.sizes() && h.is_contiguous() && x.is_contiguous() &&
+                  h.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16,
+              "decode_layers: h and x must be bfloat16 [rows, hidden], contiguous");
+  const int64_t rows = h.size(0), hidden = h.size(1), head_dim = kbufs[0].size(3);
+  const int64_t width = end - start + 1;
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
+              "decode_layers: heads must be a multiple of kv_heads");
+  TORCH_CHECK(start >= 0 && end >= start && mask.dim() == 2 && mask.size(0) == rows &&
+                  mask.size(1) == width && mask.scalar_type() == at::kBool,
+              "decode_layers: mask must be bool [rows, end - start + 1]");
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const at::Tensor* buf : {&kbufs[l], &vbufs[l]}) {
+      TORCH_CHECK(buf->dim() == 4 && buf->scalar_type() == at::kBFloat16 && buf->size(0) >= rows &&
+                      buf->size(1) == kv_heads && buf->size(2) > end &&
+                      buf->size(3) == head_dim && buf->stride(3) == 1,
+                  "decode_layers: key/value buffers must be bfloat16 [>= rows, kv_heads, > end, "
+                  "head_dim] with room for column end");
+    }
+  }
+  const int64_t fused = heads + 2 * kv_heads;
+  for (int64_t l = 0; l < layers; ++l) {
+    auto qkv = bf16_linear(x, weights[4 * l], fused * head_dim, true);
+    rope(qkv.view({rows, 1, fused, head_dim}), cos, sin, heads + kv_heads);
+    auto heads_of = qkv.view({rows, fused, head_dim});
+    auto keys = kbufs[l].slice(0, 0, rows);
+    auto values = vbufs[l].slice(0, 0, rows);
+    keys.select(2, end).copy_(heads_of.slice(1, heads, heads + kv_heads));
+    values.select(2, end).copy_(heads_of.slice(1, heads + kv_heads, fused));
+    auto a = decode_attention(heads_of.slice(1, 0, heads).contiguous(),
+                              keys.slice(2, start, end + 1), values.slice(2, start, end + 1),
+                              mask, scale);
+    auto o = bf16_linear(a.view({rows, heads * head_dim}), weights[4 * l + 1], hidden, true);
+    x = add_rms_norm(h, o, ln2[l], eps);
+    auto down = bf16_linear(bf16_gate_up_silu(x, weights[4 * l + 2], inter, true),
+                            weights[4 * l + 3], hidden, true);
+    if (l + 1 < layers) {
+      x = add_rms_norm(h, down, ln1[l + 1], eps);
+    } else {
+      h.add_(down);
+    }
+  }
+  return h;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every op runs without the GIL, as torch's own ops do: held, a batch's attention on one
   // runner thread stopped the other runner thread and the event loop for its whole run (the
@@ -1776,4 +1851,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
   m.def("decode_attention", &decode_attention, nogil(),
         "Decode-step attention over each row's real columns (q [rows, heads, dim])");
+  m.def("decode_layers", &decode_layers, nogil(),
+        "One decode step's decoder layers (bfloat16, few-row products) in one call; writes "
+        "each layer's keys and values at column end and returns the residual stream");
 }

@@ -23,6 +23,11 @@ runs the same computation with less per-step overhead:
   grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
   views; `LeanLlama._attend`).
 
+* a decode step of the running batch whose products all take the few-row bfloat16 ops runs
+  its decoder layers in one call of the C++ op `decode_layers` (the same ops, in the same order,
+  with no Python between them: `_layers_in_one_call`); `LENBATCH_DECODE_LAYERS=off` keeps it
+  op by op.
+
 The cache contract is transformers' (`cache.update(keys, values, layer_idx)` returns the layer's
 keys and values so far), so the engine's window cache, a prefill's `DynamicCache` and the
 fixed-shape buffers work unchanged. In float32 with plain `F.linear`, greedy decoding equals
@@ -32,6 +37,7 @@ fixed-shape buffers work unchanged. In float32 with plain `F.linear`, greedy dec
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -54,6 +60,10 @@ from lenbatch.runners.weightonly import (
 __all__ = ["LeanLlama", "lean_unsupported"]
 
 log = logging.getLogger("lenbatch.runner")
+
+# `off` runs a decode step's layers one op call at a time from Python even where
+# `decode_layers` could run them in one (A/B runs, tests).
+_ONE_CALL_ENV = "LENBATCH_DECODE_LAYERS"
 
 # Architectures whose forward is exactly the Llama one this module implements.
 _LLAMA_TYPES = ("llama",)
@@ -170,6 +180,19 @@ class LeanLlama:
                 )
             )
         self.norm = inner.norm.weight.detach().to(self.dtype)
+        # A decode step's layers in one call of the C++ op `decode_layers` where every product
+        # of its rows runs the few-row bfloat16 op (`_layers_in_one_call`).
+        self.one_call = (
+            self.kernel
+            if self.kernel is not None
+            and hasattr(self.kernel, "decode_layers")
+            and self.dtype == torch.bfloat16
+            and os.environ.get(_ONE_CALL_ENV, "auto").strip().lower() != "off"
+            else None
+        )
+        self._ln1 = [layer.ln1 for layer in self.layers]
+        self._ln2 = [layer.ln2 for layer in self.layers]
+        self._packed: dict[int, tuple[list[torch.Tensor], int] | None] = {}
         head_plan = replace(plan, quantization="int8") if plan.quantization == "int4" else plan
         self.lm_head = make_linear(model.lm_head.weight.detach(), head_plan, self.dtype)
         # RoPE tables once for every position, computed as transformers does (float32 product
@@ -194,6 +217,8 @@ class LeanLlama:
             )
         elif small is not None:
             line += f" (quantized products: torch's {type(small).__name__})"
+        if self.one_call is not None:
+            line += "; a decode step's layers in one C++ call where its products take few rows"
         return line
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -296,6 +321,64 @@ class LeanLlama:
         h = h + delta
         return h, F.rms_norm(h, (self.hidden,), weight, self.eps)
 
+    def _packed_at(self, rows: int) -> tuple[list[torch.Tensor], int] | None:
+        """Every layer's four packed weights (Q/K/V, O, gate/up, down) and the MLP's width,
+        when each product of `rows` rows runs the few-row bfloat16 op; else None. Looked up
+        once per row count."""
+        if rows in self._packed:
+            return self._packed[rows]
+        found: tuple[list[torch.Tensor], int] | None = None
+        weights: list[torch.Tensor] = []
+        inter = 0
+        for layer in self.layers:
+            fused = layer.gate_up_silu.fused_at(rows)
+            parts = [layer.qkv.packed_at(rows), layer.o.packed_at(rows)]
+            parts += [None if fused is None else fused.packed, layer.down.packed_at(rows)]
+            if fused is None or any(w is None for w in parts):
+                break
+            weights += [w for w in parts if w is not None]
+            inter = fused.inter
+        else:
+            found = (weights, inter)
+        self._packed[rows] = found
+        return found
+
+    def _layers_in_one_call(self, seg: Segment) -> torch.Tensor | None:
+        """A decode step's last-column logits with its layers run by one call of the C++ op
+        `decode_layers` (the same ops as `forward_segments`, without a Python round trip
+        between them), or None where that does not apply: not a decode step (one new column
+        per row), a product of this many rows that another kernel runs, or a cache that is
+        not the running batch's window cache (`WindowCache.next_column`)."""
+        rows, new = (int(n) for n in seg.input_ids.shape)
+        op = self.one_call
+        if op is None or new != 1:
+            return None
+        packed = self._packed_at(rows)
+        next_column = getattr(seg.cache, "next_column", None)
+        if packed is None or next_column is None:
+            return None
+        buffers = next_column(rows)
+        if buffers is None:
+            return None
+        keys, values, start, end = buffers
+        if int(seg.mask.shape[1]) != end - start + 1:
+            return None
+        weights, inter = packed
+        h = F.embedding(seg.input_ids.reshape(-1), self.embed)
+        x = F.rms_norm(h, (self.hidden,), self.layers[0].ln1, self.eps)
+        pos = seg.positions
+        h = op.decode_layers(
+            h, x, self._ln1, self._ln2, weights, keys, values, start, end, self.cos[pos],
+            self.sin[pos], seg.mask.bool(), self.heads, self.kv_heads, inter, self.scale, self.eps,
+        )  # fmt: skip
+        seg.cache.took_column()
+        return self._logits(h)
+
+    def _logits(self, last_h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[rows, vocab]` of each row's last hidden state."""
+        last = F.rms_norm(last_h, (self.hidden,), self.norm, self.eps)
+        return self.lm_head(last, int(last.shape[0])).float()
+
     @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
@@ -311,6 +394,10 @@ class LeanLlama:
         every segment's tokens together (one pass over the weights), RoPE, the cache update
         and attention run per segment. Returns each segment's last-column logits
         `[rows, vocab]` (float32), in order."""
+        if len(segments) == 1:
+            done = self._layers_in_one_call(segments[0])
+            if done is not None:
+                return [done]
         nh, nkv, hd, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
         sizes = [s.input_ids.shape for s in segments]
         counts = [int(r) * int(n) for r, n in sizes]
@@ -393,6 +480,5 @@ class LeanLlama:
                 ]
             )
             last_h = h.index_select(0, idx)
-        last = F.rms_norm(last_h, shape, self.norm, self.eps)
-        logits = self.lm_head(last, int(last.shape[0])).float()
+        logits = self._logits(last_h)
         return [logits] if one else list(logits.split([int(r) for r, _ in sizes]))

@@ -140,6 +140,11 @@ class RowLinear:
         """The product."""
         raise NotImplementedError
 
+    def packed_at(self, rows: int) -> torch.Tensor | None:
+        """The weight as the C++ op `bf16_linear` reads it (`pack_bf16_weight`) when a
+        product of `rows` rows runs that op, else None (another kernel runs it)."""
+        return None
+
 
 class DenseLinear(RowLinear):
     """`F.linear` on the weight as loaded."""
@@ -279,6 +284,10 @@ class Bf16Gemv(RowLinear):
         y: torch.Tensor = self.op.bf16_linear(x.contiguous(), self.packed, self.out)
         return y
 
+    def packed_at(self, rows: int) -> torch.Tensor | None:
+        """The packed weight (this product always runs `bf16_linear`)."""
+        return self.packed
+
 
 def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
     """A gated MLP's gate/up weight `[2 * inter, in]` (gate rows, then up rows) as
@@ -311,6 +320,10 @@ class GatedGemv(RowLinear):
         y: torch.Tensor = self.op.bf16_gate_up_silu(x.contiguous(), self.packed, self.inter)
         return y
 
+    def packed_at(self, rows: int) -> torch.Tensor | None:
+        """The packed gate/up weight, as `bf16_gate_up_silu` reads it (`pack_gate_up`)."""
+        return self.packed
+
 
 class GateUpSilu:
     """A gated MLP's activation `silu(gate) * up` from its input: `fused` (a `GatedGemv`) up to
@@ -333,6 +346,12 @@ class GateUpSilu:
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def fused_at(self, rows: int) -> GatedGemv | None:
+        """The fused product that `rows` rows run (None: the product, then the activation)."""
+        if isinstance(self.fused, GatedGemv) and rows <= self.fused_rows:
+            return self.fused
+        return None
+
 
 def gemv_op() -> Any | None:
     """The C++ ops holding `bf16_linear`, or None where they cannot be built here or
@@ -354,6 +373,10 @@ class SwitchLinear(RowLinear):
         if rows <= self.switch_rows:
             return self.small(x, rows)
         return self.large(x, rows)
+
+    def packed_at(self, rows: int) -> torch.Tensor | None:
+        """The kernel's packed weight at `rows` rows, if that kernel is `bf16_linear`."""
+        return (self.small if rows <= self.switch_rows else self.large).packed_at(rows)
 
 
 class LargeRowsLinear(RowLinear):
