@@ -604,6 +604,7 @@ void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t inter) {
 // float32 summation order) at a fraction of the dense float32 weights' bytes.
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kGroupAhead = 4;  // output rows `group_tile` asks for ahead of its loads
 
 #if defined(__AVX512F__)
 // One group's 32 weights as two float32 vectors (elements 0..15, 16..31).
@@ -633,6 +634,11 @@ inline void group_tile(const float* x, int64_t in, const uint8_t* q, const float
   for (int64_t g = 0; g < nb; ++g) {
     for (int u = 0; u < U; ++u) {
       __m512 w0, w1;
+      // The rows kGroupAhead further on, at this group: 4.6 against 5.1 ms for SmolLM2's
+      // 121 int4 products at one row (2-4 % at 2-4 rows; Intel Xeon family 6 model 207).
+      _mm_prefetch(reinterpret_cast<const char*>(q + (o + u + kGroupAhead) * qrow +
+                                                 g * (Q4 ? kGroup / 2 : kGroup)),
+                   _MM_HINT_T0);
       unpack_group<Q4>(q + (o + u) * qrow, g, w0, w1);
       const __m512 s = _mm512_set1_ps(sc[(o + u) * nb + g]);
       if constexpr (R == 1) {
