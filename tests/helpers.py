@@ -13,10 +13,19 @@ from lenbatch.core.queues import Queues
 from lenbatch.core.request import Request
 from lenbatch.runners.hardware import cpu_flags
 
-# Whether lenbatch's C++ ops (runners/decode_attention.cpp) can be built here: they need a CPU
-# with AVX-512 and a C++ compiler; their tests skip elsewhere, saying so.
-AVX512 = "avx512f" in cpu_flags() and shutil.which("c++") is not None
-needs_op = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+# Whether lenbatch's C++ ops (runners/decode_attention.cpp) can be built here: they need an x86
+# CPU with AVX-512, or AVX2 with FMA, and a C++ compiler (`OPS`); the bfloat16 products and the
+# packed attention are built only with AVX-512 (`AVX512`). Their tests skip elsewhere, saying so.
+_FLAGS = cpu_flags()
+_CXX = shutil.which("c++") is not None
+AVX512 = "avx512f" in _FLAGS and _CXX
+OPS = AVX512 or ("avx2" in _FLAGS and "fma" in _FLAGS and _CXX)
+needs_op = pytest.mark.skipif(
+    not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2"
+)
+needs_avx512 = pytest.mark.skipif(
+    not AVX512, reason="the bfloat16 ops are built only on a CPU with AVX-512"
+)
 
 
 def sched_cfg(

@@ -17,7 +17,7 @@ from lenbatch.generate.kvcache import KVBatch
 from lenbatch.runners.causal import CausalLMRunner, new_cache
 from lenbatch.runners.llama import LeanLlama
 from lenbatch.runners.weightonly import LinearPlan
-from tests.helpers import needs_op
+from tests.helpers import needs_avx512 as needs_op
 
 # Every product of up to 8 rows on the few-row bfloat16 op (the plan a server measures at
 # load may pick other row counts on another CPU).

@@ -26,6 +26,7 @@ from lenbatch.runners.weightonly import (
     measure_large_rows,
     measure_switch,
 )
+from tests.helpers import needs_op
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
 
@@ -237,10 +238,7 @@ def test_int4_keeps_the_output_matrix_in_int8(
     assert next(bf.model.parameters()).dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(
-    "avx512f" not in __import__("lenbatch.runners.hardware").runners.hardware.cpu_flags(),
-    reason="float32 group-wise products run in the C++ op, built only with AVX-512",
-)
+@needs_op  # float32 group-wise products run in the C++ op
 def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """A tiny Llama whose layer weights lie on Q4_1 grids and whose output matrix on Q8_0
     grids (what a Q4_1 GGUF such as SmolLM2's dequantizes to): `--dtype float32 --quantize

@@ -16,7 +16,7 @@ from lenbatch.runners.weightonly import (
     make_linear,
     pack_bf16_weight,
 )
-from tests.helpers import needs_op
+from tests.helpers import needs_avx512 as needs_op
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:

@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
-from tests.helpers import AVX512
+from tests.helpers import OPS
 
 
 def test_builds_where_the_cpu_allows_and_says_why_not_elsewhere() -> None:
-    """On an AVX-512 CPU with a compiler the op builds; elsewhere the reason is named."""
+    """On a CPU with AVX-512 or AVX2 and a compiler the op builds; elsewhere the reason is
+    named."""
     why = da.kernel_unavailable()
-    if AVX512:
+    if OPS:
         assert why is None
         assert da.decode_attention_op() is not None
     else:
@@ -62,7 +63,7 @@ def test_build_lock_clears_an_interrupted_builds_marker_and_excludes_other_build
     assert free.returncode == 0
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 def test_a_start_after_an_interrupted_build_loads_the_op(tmp_path: Path) -> None:
     """The op's own build folder with a killed build's marker in it: a fresh process still
     gets the op (before the fix it waited on the marker until killed)."""
@@ -90,7 +91,7 @@ def _case(rows: int, kv: int, group: int, dim: int, width: int, dtype: torch.dty
     return q, keys, values, mask
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 @pytest.mark.parametrize("dim", [64, 24, 32, 128])
 @pytest.mark.parametrize("group", [3, 1, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,7 +115,7 @@ def test_equals_sdpa(dim: int, group: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 def test_rejects_mismatched_shapes() -> None:
     """A wrong mask width is an error, not a read past the window."""
     op = da.decode_attention_op()
@@ -123,7 +124,7 @@ def test_rejects_mismatched_shapes() -> None:
         op.decode_attention(q, keys, values, mask[:, :9], 0.25)
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33])
 @pytest.mark.parametrize("hidden", [96, 104])  # whole 16-wide vectors; vectors and a tail
@@ -146,7 +147,7 @@ def test_add_rms_norm_equals_torch(rows: int, hidden: int, dtype: torch.dtype) -
         op.add_rms_norm(h, delta[:, :1].contiguous(), weight, 1e-5)
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_equals_rotate_half(dtype: torch.dtype) -> None:
     """Rotary embedding in place on the query and key heads, as transformers' Llama computes
@@ -173,7 +174,7 @@ def test_rope_equals_rotate_half(dtype: torch.dtype) -> None:
         op.rope(got, cos[:, :2].contiguous(), sin[:, :2].contiguous(), rotated)
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+@pytest.mark.skipif(not OPS, reason="the ops are built only on a CPU with AVX-512 or AVX2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_equals_torch(dtype: torch.dtype) -> None:
     """A gated MLP's activation, `silu(gate) * up` of `[gate | up]`, as torch computes it, in

@@ -1,7 +1,8 @@
 // One decode step's attention over a KV window, reading only each row's real columns.
 //
 // Built just in time by lenbatch/runners/decode_attention.py (torch.utils.cpp_extension.load,
-// -O3 -march=native -ffast-math), only on a CPU with AVX-512. Why a kernel: torch's CPU
+// -O3 -march=native -ffast-math), on a CPU with AVX-512 or AVX2 + FMA (there without the
+// bfloat16 ops; see the module's registrations at the end). Why a kernel: torch's CPU
 // attention runs a decode step as rows x kv_heads tiny problems and reads every padded column;
 // this loop reads each real key and value once per (row, key/value head), for all the query
 // heads that share it, and skips the padding.
@@ -34,8 +35,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define LENBATCH_AVX512 1
+#endif
+// The group loop (`group_linear`) has an AVX2 form too: on a CPU without AVX-512 (a Zen 3) the
+// build holds it, the fused passes and the portable attention loop, and not the bfloat16 ops.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LENBATCH_GROUP_LOOP 1
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -588,7 +597,10 @@ void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t inter) {
         u[i] = to_float(row[inter + i]);
       }
 #pragma omp simd
-      for (int64_t i = start; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      // e^-g capped at e^88 (finite in float32): with -ffast-math the vectorised exp of a
+      // gate below -88 gave NaN (an AVX2 build, AMD EPYC family 25 model 1), where silu is ~0.
+      for (int64_t i = start; i < inter; ++i)
+        g[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
       for (int64_t i = start; i < inter; ++i) o[i] = static_cast<T>(g[i]);
     }
   });
@@ -610,10 +622,47 @@ void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t inter) {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupAhead = 4;  // output rows `group_tile` asks for ahead of its loads
 
+#if defined(LENBATCH_GROUP_LOOP)
+// Sixteen float32 lanes: one AVX-512 register, or two AVX2 ones. The group loop is written once
+// against these few operations.
 #if defined(__AVX512F__)
+using V16 = __m512;
+inline V16 v_zero() { return _mm512_setzero_ps(); }
+inline V16 v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 v_set1(float x) { return _mm512_set1_ps(x); }
+inline V16 v_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 v_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 v_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a); }
+// Rows a block of the group loop takes at once: 8 x 1 accumulators of 32 registers.
+constexpr int kGroupRows = 8;
+#else
+struct V16 {
+  __m256 a, b;
+};
+inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 v_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 v_add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline V16 v_mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V16 v_fmadd(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+inline float v_sum(V16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_hadd_ps(q, q);
+  q = _mm_hadd_ps(q, q);
+  return _mm_cvtss_f32(q);
+}
+// AVX2 has 16 registers: four rows of accumulators (8), the weights (4) and the inputs fit.
+constexpr int kGroupRows = 4;
+#endif
+
 // One group's 32 weights as two float32 vectors (elements 0..15, 16..31).
 template <bool Q4>
-inline void unpack_group(const uint8_t* q, int64_t g, __m512& w0, __m512& w1) {
+inline void unpack_group(const uint8_t* q, int64_t g, V16& w0, V16& w1) {
+#if defined(__AVX512F__)
   if constexpr (Q4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
     const __m128i m = _mm_set1_epi8(0x0F);
@@ -624,6 +673,25 @@ inline void unpack_group(const uint8_t* q, int64_t g, __m512& w0, __m512& w1) {
     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
   }
+#else
+  // Eight bytes widened to eight lanes at a time.
+  const auto lanes = [](__m128i bytes, bool is_signed) {
+    return is_signed ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+                     : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  };
+  if constexpr (Q4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(b, m), high = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    w0 = {lanes(low, false), lanes(_mm_srli_si128(low, 8), false)};
+    w1 = {lanes(high, false), lanes(_mm_srli_si128(high, 8), false)};
+  } else {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q + g * kGroup);
+    const __m128i b0 = _mm_loadu_si128(p), b1 = _mm_loadu_si128(p + 1);
+    w0 = {lanes(b0, true), lanes(_mm_srli_si128(b0, 8), true)};
+    w1 = {lanes(b1, true), lanes(_mm_srli_si128(b1, 8), true)};
+  }
+#endif
 }
 
 // R input rows against U output rows: each group's weights are unpacked once and used for
@@ -632,41 +700,41 @@ template <int R, int U, bool Q4>
 inline void group_tile(const float* x, int64_t in, const uint8_t* q, const float* sc,
                        const float* lo, const float* xsum, float* y, int64_t out, int64_t o) {
   const int64_t nb = in / kGroup, qrow = Q4 ? in / 2 : in;
-  __m512 acc[U][R];
+  V16 acc[U][R];
   for (int u = 0; u < U; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[u][r] = v_zero();
   for (int64_t g = 0; g < nb; ++g) {
     for (int u = 0; u < U; ++u) {
-      __m512 w0, w1;
+      V16 w0, w1;
       // The rows kGroupAhead further on, at this group: 4.6 against 5.1 ms for SmolLM2's
       // 121 int4 products at one row (2-4 % at 2-4 rows; Intel Xeon family 6 model 207).
       _mm_prefetch(reinterpret_cast<const char*>(q + (o + u + kGroupAhead) * qrow +
                                                  g * (Q4 ? kGroup / 2 : kGroup)),
                    _MM_HINT_T0);
       unpack_group<Q4>(q + (o + u) * qrow, g, w0, w1);
-      const __m512 s = _mm512_set1_ps(sc[(o + u) * nb + g]);
+      const V16 s = v_set1(sc[(o + u) * nb + g]);
       if constexpr (R == 1) {
         // One row: the group's dot product first, then one scaled add into the accumulator
         // (a single dependent operation a group).
-        __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + g * kGroup));
-        t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * kGroup + 16), t);
-        acc[u][0] = _mm512_fmadd_ps(t, s, acc[u][0]);
+        V16 t = v_mul(w0, v_load(x + g * kGroup));
+        t = v_fmadd(w1, v_load(x + g * kGroup + 16), t);
+        acc[u][0] = v_fmadd(t, s, acc[u][0]);
       } else {
         // Several rows: scale the weights once, then two fused multiply-adds a row (8 rows
         // and more: 9 % faster than the one-row form on the Xeon above).
-        w0 = _mm512_mul_ps(w0, s);
-        w1 = _mm512_mul_ps(w1, s);
+        w0 = v_mul(w0, s);
+        w1 = v_mul(w1, s);
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * in + g * kGroup;
-          acc[u][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[u][r]);
-          acc[u][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[u][r]);
+          acc[u][r] = v_fmadd(w0, v_load(xr), acc[u][r]);
+          acc[u][r] = v_fmadd(w1, v_load(xr + 16), acc[u][r]);
         }
       }
     }
   }
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) {
-      float v = _mm512_reduce_add_ps(acc[u][r]);
+      float v = v_sum(acc[u][r]);
       if constexpr (Q4) {
         const float* l = lo + (o + u) * nb;
         const float* xs = xsum + r * nb;
@@ -686,7 +754,7 @@ inline void group_tile(const float* x, int64_t in, const uint8_t* q, const float
 template <int R, bool Q4>
 void group_block(const float* x, int64_t in, const uint8_t* q, const float* sc, const float* lo,
                  const float* xsum, float* y, int64_t out, int64_t o0, int64_t o1) {
-  constexpr int U = R <= 4 ? 2 : 1;
+  constexpr int U = R <= kGroupRows / 2 ? 2 : 1;
   int64_t o = o0;
   for (; o + U <= o1; o += U) group_tile<R, U, Q4>(x, in, q, sc, lo, xsum, y, out, o);
   for (; o < o1; ++o) group_tile<R, 1, Q4>(x, in, q, sc, lo, xsum, y, out, o);
@@ -698,8 +766,9 @@ void group_rows(const float* x, int64_t rows, int64_t in, const uint8_t* q, cons
                 int64_t o1) {
   const int64_t nb = in / kGroup;
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8)
-    group_block<8, Q4>(x + r * in, in, q, sc, lo, xsum + r * nb, y + r * out, out, o0, o1);
+  for (; r + kGroupRows <= rows; r += kGroupRows)
+    group_block<kGroupRows, Q4>(x + r * in, in, q, sc, lo, xsum + r * nb, y + r * out, out, o0,
+                                o1);
   const float* xr = x + r * in;
   const float* xs = xsum + r * nb;
   float* yr = y + r * out;
@@ -707,10 +776,12 @@ void group_rows(const float* x, int64_t rows, int64_t in, const uint8_t* q, cons
     case 1: group_block<1, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
     case 2: group_block<2, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
     case 3: group_block<3, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
+#if defined(__AVX512F__)
     case 4: group_block<4, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
     case 5: group_block<5, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
     case 6: group_block<6, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
     case 7: group_block<7, Q4>(xr, in, q, sc, lo, xs, yr, out, o0, o1); break;
+#endif
     default: break;
   }
 }
@@ -739,12 +810,11 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
                       lo.numel() == out * nb),
               "group_linear: lo must be float32 [out, in / 32] for 4-bit weights");
   auto y = at::empty({rows, out}, x.options());
-#if defined(__AVX512F__)
+#if defined(LENBATCH_GROUP_LOOP)
   const float* xp = x.data_ptr<float>();
   std::vector<float> xsum(q4 ? rows * nb : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i)
-    xsum[i] = _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_loadu_ps(xp + i * kGroup), _mm512_loadu_ps(xp + i * kGroup + 16)));
+    xsum[i] = v_sum(v_add(v_load(xp + i * kGroup), v_load(xp + i * kGroup + 16)));
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* lp = q4 ? lo.data_ptr<float>() : nullptr;
@@ -761,7 +831,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   });
   return y;
 #else
-  TORCH_CHECK(false, "group_linear: built without AVX-512");
+  TORCH_CHECK(false, "group_linear: built without AVX-512 or AVX2");
 #endif
 }
 
@@ -1845,15 +1915,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary embedding in place on the first heads of x [rows, new, heads, dim]");
   m.def("add_rms_norm", &add_rms_norm, nogil(),
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
+  m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
+  m.def("decode_attention", &decode_attention, nogil(),
+        "Decode-step attention over each row's real columns (q [rows, heads, dim])");
+#if defined(LENBATCH_GROUP_LOOP)
+  m.def("group_linear", &group_linear, nogil(),
+        "x @ W.T for weights in groups of 32: 4-bit (q uint8, scale, lo) or 8-bit (q int8, "
+        "scale), float32 activations");
+#endif
+  // The bfloat16 products and attention paths: AVX-512 builds only (the Python side
+  // looks for each op by name and runs torch where it is missing).
+#if defined(__AVX512F__)
   m.def("packed_attention", &packed_attention, nogil(),
         "Packed self-attention from qkv [tokens, (heads + 2 kv_heads) x dim] and offsets "
         "(bfloat16 on the AMX tile unit where the CPU has one and use_amx is true; causal and "
         "grouped-query heads only there)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"),
         py::arg("use_amx") = true, py::arg("kv_heads") = 0, py::arg("causal") = false);
-  m.def("group_linear", &group_linear, nogil(),
-        "x @ W.T for weights in groups of 32: 4-bit (q uint8, scale, lo) or 8-bit (q int8, "
-        "scale), float32 activations");
   m.def("bf16_linear", &bf16_linear, nogil(),
         "x @ W.T for bfloat16 x [rows, in] and W reordered into blocks of 16 outputs x column "
         "pairs (few rows: the weights streamed once, float32 sums)",
@@ -1868,10 +1946,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[rows] = each row's first real column)",
         py::arg("qkv"), py::arg("keys"), py::arg("values"), py::arg("starts"), py::arg("heads"),
         py::arg("scale"));
-  m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
-  m.def("decode_attention", &decode_attention, nogil(),
-        "Decode-step attention over each row's real columns (q [rows, heads, dim])");
   m.def("decode_layers", &decode_layers, nogil(),
         "One decode step's decoder layers (bfloat16, few-row products) in one call; writes "
         "each layer's keys and values at column end and returns the residual stream");
+#endif
 }

@@ -8,9 +8,12 @@ time it is asked for, with `-O3 -march=native`, into a folder inside the running
 (`<sys.prefix>/lenbatch-ext/`), keyed by torch's version, the source's hash and the CPU's
 flags, so a second start loads it in milliseconds and another CPU builds its own.
 
-It is used only where it can be: an x86 CPU with AVX-512 (`avx512f` in `/proc/cpuinfo`: a Zen 3
-has none), a C++ compiler, and a build that succeeds. Anything else falls back to
-`F.scaled_dot_product_attention` (the caller's path) with one line in the log saying why.
+It is used only where it can be: an x86 CPU with AVX-512 (`avx512f` in `/proc/cpuinfo`) or with
+AVX2 and FMA (a Zen 3), a C++ compiler, and a build that succeeds. Anything else falls back to
+`F.scaled_dot_product_attention` (the caller's path) with one line in the log saying why. An
+AVX2 build holds the attention loop, the fused passes and `group_linear`, not the bfloat16 ops
+(`bf16_linear`, `bf16_gate_up_silu`, `decode_layers`, `packed_attention`, `chunk_attention`):
+callers look each op up by name and run torch's where it is missing.
 `LENBATCH_DECODE_ATTENTION=sdpa` forces the fallback (tests use it); `=kernel` requires the op
 and raises where it cannot be built.
 
@@ -62,8 +65,9 @@ def kernel_unavailable() -> str | None:
         return f"{_ENV}=sdpa"
     if choice not in ("auto", "kernel"):
         return f"{_ENV}={choice!r} (expected auto, kernel or sdpa)"
-    if "avx512f" not in cpu_flags():
-        return "this CPU has no AVX-512"
+    flags = cpu_flags()
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler"
     if _ninja() is None:

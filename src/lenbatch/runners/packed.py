@@ -123,11 +123,13 @@ class PackedEncoderRunner(EncoderRunner):
         ]
         self._mm_dtype = mm_dtype
         head_dims = {layer.head_dim for layer in self._layers}
-        self._kernel = (
+        kernel = (
             decode_attention_op()
             if self.device.type == "cpu" and head_dims <= {32, 64, 128}
             else None
         )
+        # An AVX2 build holds no packed attention: torch's then runs it.
+        self._kernel = kernel if hasattr(kernel, "packed_attention") else None
         self._amx = amx_allowed()
         # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
         # encoder weights would only take memory.
