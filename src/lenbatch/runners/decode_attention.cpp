@@ -1894,59 +1894,59 @@ at::Tensor chunk_attention(const at::Tensor& qkv, const at::Tensor& keys, const 
   return out;
 }
 
-// One decode step's decoder layers on the lean Llama path, bfloat16, every product of a few
-// rows through `bf16_linear` / `bf16_gate_up_silu`: the ops `LeanLlama.forward_segments` calls
-// one at a time from Python (the same ops, the same order, so the same bits), in one call.
-// Why: at one row a layer's eight op calls and their Python glue (slicing the fused product,
-// the cache write, views) took ~2 ms of a ~12 ms step (SmolLM2, 30 layers, Intel Xeon family
-// 6 model 207), and each call released and took back the GIL, where a server's event loop
-// could hold it.
+// One decode step's decoder layers on the lean Llama path, in one call: the ops
+// `LeanLlama.forward_segments` calls one at a time from Python (the same ops, the same order,
+// so the same bits). Why: at one row a layer's eight op calls and their Python glue (slicing
+// the fused product, the cache write, views) took ~2 ms of a ~12 ms step (SmolLM2, 30 layers,
+// Intel Xeon family 6 model 207), and each call released and took back the GIL, where a
+// server's event loop could hold it.
+//
+// `products` runs the four products of layer l: qkv(x, l), o(a, l), act(x, l) (the gated
+// MLP's silu(gate) * up) and down(act, l). `decode_layers` runs them with the few-row
+// bfloat16 op, `decode_layers_groups` with the float32 group loop (GGUF blocks).
 //
 // h, x     [rows, hidden]: the residual stream and its first RMSNorm (h is updated in place)
 // ln1, ln2 one per layer (ln1[0] is already applied in x)
-// weights  four per layer, packed as `bf16_linear` reads them: Q/K/V, O, gate/up (interleaved
-//          as `bf16_gate_up_silu` reads it), down
 // kbufs, vbufs  one per layer, [row_capacity, kv_heads, col_capacity, head_dim]: rows
 //          [0, rows) and columns [start, end) hold the cache; this step's keys and values
 //          are written at column `end` (the caller has made room)
 // cos, sin [rows, 1, head_dim]: each row's position;  mask [rows, end - start + 1] bool
 // Returns h after the last layer (before the final norm).
-at::Tensor decode_layers(at::Tensor h, at::Tensor x, const std::vector<at::Tensor>& ln1,
-                         const std::vector<at::Tensor>& ln2,
-                         const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& kbufs,
-                         const std::vector<at::Tensor>& vbufs, int64_t start, int64_t end,
-                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                         int64_t heads, int64_t kv_heads, int64_t inter, double scale,
-                         double eps) {
+template <typename Products>
+at::Tensor run_decode_layers(const char* name, const Products& products, at::ScalarType dtype,
+                             at::Tensor h, at::Tensor x, const std::vector<at::Tensor>& ln1,
+                             const std::vector<at::Tensor>& ln2,
+                             const std::vector<at::Tensor>& kbufs,
+                             const std::vector<at::Tensor>& vbufs, int64_t start, int64_t end,
+                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
+                             int64_t heads, int64_t kv_heads, double scale, double eps) {
   const int64_t layers = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(ln2.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == 4 * layers &&
                   static_cast<int64_t>(kbufs.size()) == layers &&
                   static_cast<int64_t>(vbufs.size()) == layers,
-              "decode_layers: one ln1, ln2, key and value buffer and four weights per layer");
+              name, ": one ln1, ln2, key and value buffer per layer");
   TORCH_CHECK(h.dim() == 2 && h.sizes() == x.sizes() && h.is_contiguous() && x.is_contiguous() &&
-                  h.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16,
-              "decode_layers: h and x must be bfloat16 [rows, hidden], contiguous");
-  const int64_t rows = h.size(0), hidden = h.size(1), head_dim = kbufs[0].size(3);
+                  h.scalar_type() == dtype && x.scalar_type() == dtype,
+              name, ": h and x must be ", dtype, " [rows, hidden], contiguous");
+  const int64_t rows = h.size(0), head_dim = kbufs[0].size(3);
   const int64_t width = end - start + 1;
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
-              "decode_layers: heads must be a multiple of kv_heads");
+              name, ": heads must be a multiple of kv_heads");
   TORCH_CHECK(start >= 0 && end >= start && mask.dim() == 2 && mask.size(0) == rows &&
                   mask.size(1) == width && mask.scalar_type() == at::kBool,
-              "decode_layers: mask must be bool [rows, end - start + 1]");
+              name, ": mask must be bool [rows, end - start + 1]");
   for (int64_t l = 0; l < layers; ++l) {
     for (const at::Tensor* buf : {&kbufs[l], &vbufs[l]}) {
-      TORCH_CHECK(buf->dim() == 4 && buf->scalar_type() == at::kBFloat16 && buf->size(0) >= rows &&
+      TORCH_CHECK(buf->dim() == 4 && buf->scalar_type() == dtype && buf->size(0) >= rows &&
                       buf->size(1) == kv_heads && buf->size(2) > end &&
                       buf->size(3) == head_dim && buf->stride(3) == 1,
-                  "decode_layers: key/value buffers must be bfloat16 [>= rows, kv_heads, > end, "
-                  "head_dim] with room for column end");
+                  name, ": key/value buffers must be ", dtype,
+                  " [>= rows, kv_heads, > end, head_dim] with room for column end");
     }
   }
   const int64_t fused = heads + 2 * kv_heads;
   for (int64_t l = 0; l < layers; ++l) {
-    auto qkv = bf16_linear(x, weights[4 * l], fused * head_dim, true);
+    auto qkv = products.qkv(x, l);
     rope(qkv.view({rows, 1, fused, head_dim}), cos, sin, heads + kv_heads);
     auto heads_of = qkv.view({rows, fused, head_dim});
     auto keys = kbufs[l].slice(0, 0, rows);
@@ -1956,10 +1956,9 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, const std::vector<at::Tenso
     auto a = decode_attention(heads_of.slice(1, 0, heads).contiguous(),
                               keys.slice(2, start, end + 1), values.slice(2, start, end + 1),
                               mask, scale);
-    auto o = bf16_linear(a.view({rows, heads * head_dim}), weights[4 * l + 1], hidden, true);
+    auto o = products.o(a.view({rows, heads * head_dim}), l);
     x = add_rms_norm(h, o, ln2[l], eps);
-    auto down = bf16_linear(bf16_gate_up_silu(x, weights[4 * l + 2], inter, true),
-                            weights[4 * l + 3], hidden, true);
+    auto down = products.down(products.act(x, l), l);
     if (l + 1 < layers) {
       x = add_rms_norm(h, down, ln1[l + 1], eps);
     } else {
@@ -1967,6 +1966,71 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, const std::vector<at::Tenso
     }
   }
   return h;
+}
+
+// The few-row bfloat16 products: `weights` four per layer, packed as `bf16_linear` reads them
+// (Q/K/V, O, gate/up interleaved as `bf16_gate_up_silu` reads it, down).
+struct Bf16Products {
+  const std::vector<at::Tensor>& w;
+  int64_t qkv_out, hidden, inter;
+  at::Tensor qkv(const at::Tensor& x, int64_t l) const {
+    return bf16_linear(x, w[4 * l], qkv_out, true);
+  }
+  at::Tensor o(const at::Tensor& a, int64_t l) const {
+    return bf16_linear(a, w[4 * l + 1], hidden, true);
+  }
+  at::Tensor act(const at::Tensor& x, int64_t l) const {
+    return bf16_gate_up_silu(x, w[4 * l + 2], inter, true);
+  }
+  at::Tensor down(const at::Tensor& act, int64_t l) const {
+    return bf16_linear(act, w[4 * l + 3], hidden, true);
+  }
+};
+
+at::Tensor decode_layers(at::Tensor h, at::Tensor x, const std::vector<at::Tensor>& ln1,
+                         const std::vector<at::Tensor>& ln2,
+                         const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& kbufs,
+                         const std::vector<at::Tensor>& vbufs, int64_t start, int64_t end,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
+                         int64_t heads, int64_t kv_heads, int64_t inter, double scale,
+                         double eps) {
+  TORCH_CHECK(weights.size() == 4 * ln1.size(), "decode_layers: four weights per layer");
+  TORCH_CHECK(!kbufs.empty(), "decode_layers: no layers");
+  const int64_t qkv_out = (heads + 2 * kv_heads) * kbufs[0].size(3);
+  const Bf16Products products{weights, qkv_out, h.size(-1), inter};
+  return run_decode_layers("decode_layers", products, at::kBFloat16, h, x, ln1, ln2, kbufs,
+                           vbufs, start, end, cos, sin, mask, heads, kv_heads, scale, eps);
+}
+
+// The float32 group loop's products (`group_linear`): `groups` three tensors (q, scale, lo)
+// for each of a layer's four products (Q/K/V, O, gate/up, down), twelve per layer; the
+// gate/up product is followed by `silu_mul`.
+struct GroupProducts {
+  const std::vector<at::Tensor>& g;
+  at::Tensor product(const at::Tensor& x, int64_t l, int64_t k) const {
+    const int64_t i = 12 * l + 3 * k;
+    return group_linear(x, g[i], g[i + 1], g[i + 2]);
+  }
+  at::Tensor qkv(const at::Tensor& x, int64_t l) const { return product(x, l, 0); }
+  at::Tensor o(const at::Tensor& a, int64_t l) const { return product(a, l, 1); }
+  at::Tensor act(const at::Tensor& x, int64_t l) const { return silu_mul(product(x, l, 2)); }
+  at::Tensor down(const at::Tensor& act, int64_t l) const { return product(act, l, 3); }
+};
+
+at::Tensor decode_layers_groups(at::Tensor h, at::Tensor x, const std::vector<at::Tensor>& ln1,
+                                const std::vector<at::Tensor>& ln2,
+                                const std::vector<at::Tensor>& groups,
+                                const std::vector<at::Tensor>& kbufs,
+                                const std::vector<at::Tensor>& vbufs, int64_t start,
+                                int64_t end, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& mask, int64_t heads, int64_t kv_heads,
+                                double scale, double eps) {
+  TORCH_CHECK(groups.size() == 12 * ln1.size(),
+              "decode_layers_groups: q, scale and lo of four products per layer");
+  const GroupProducts products{groups};
+  return run_decode_layers("decode_layers_groups", products, at::kFloat, h, x, ln1, ln2, kbufs,
+                           vbufs, start, end, cos, sin, mask, heads, kv_heads, scale, eps);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1986,6 +2050,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_linear", &group_linear, nogil(),
         "x @ W.T for weights in groups of 32: 4-bit (q uint8, scale, lo) or 8-bit (q int8, "
         "scale), float32 activations");
+  m.def("decode_layers_groups", &decode_layers_groups, nogil(),
+        "One decode step's decoder layers (float32, group-loop products) in one call; writes "
+        "each layer's keys and values at column end and returns the residual stream");
 #endif
   // The bfloat16 products and attention paths: AVX-512 builds only (the Python side
   // looks for each op by name and runs torch where it is missing).

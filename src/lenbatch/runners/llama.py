@@ -25,8 +25,9 @@ runs the same computation with less per-step overhead:
 
 * a decode step of the running batch whose products all take the few-row bfloat16 ops runs
   its decoder layers in one call of the C++ op `decode_layers` (the same ops, in the same order,
-  with no Python between them: `_layers_in_one_call`); `LENBATCH_DECODE_LAYERS=off` keeps it
-  op by op.
+  with no Python between them: `_layers_in_one_call`); in float32, one whose products all take
+  the group loop (`--quantize int4` up to the switch point) runs them in one call of
+  `decode_layers_groups`; `LENBATCH_DECODE_LAYERS=off` keeps either op by op.
 
 The cache contract is transformers' (`cache.update(keys, values, layer_idx)` returns the layer's
 keys and values so far), so the engine's window cache, a prefill's `DynamicCache` and the
@@ -181,12 +182,13 @@ class LeanLlama:
             )
         self.norm = inner.norm.weight.detach().to(self.dtype)
         # A decode step's layers in one call of the C++ op `decode_layers` where every product
-        # of its rows runs the few-row bfloat16 op (`_layers_in_one_call`).
+        # of its rows runs the few-row bfloat16 op, or of `decode_layers_groups` where every
+        # one runs the float32 group loop (`_layers_in_one_call`).
+        one_call_op = {torch.bfloat16: "decode_layers", torch.float32: "decode_layers_groups"}
         self.one_call = (
             self.kernel
             if self.kernel is not None
-            and hasattr(self.kernel, "decode_layers")
-            and self.dtype == torch.bfloat16
+            and hasattr(self.kernel, one_call_op.get(self.dtype, ""))
             and os.environ.get(_ONE_CALL_ENV, "auto").strip().lower() != "off"
             else None
         )
@@ -322,15 +324,25 @@ class LeanLlama:
         return h, F.rms_norm(h, (self.hidden,), weight, self.eps)
 
     def _packed_at(self, rows: int) -> tuple[list[torch.Tensor], int] | None:
-        """Every layer's four packed weights (Q/K/V, O, gate/up, down) and the MLP's width,
-        when each product of `rows` rows runs the few-row bfloat16 op; else None. Looked up
-        once per row count."""
+        """What the one call takes for a decode step of `rows` rows, when each of its products
+        runs the kernel that call runs, else None; looked up once per row count. In bfloat16:
+        every layer's four packed weights (Q/K/V, O, gate/up, down) for the few-row op, and
+        the MLP's width. In float32: every layer's (q, scale, lo) of the same four products
+        for the group loop, and 0."""
         if rows in self._packed:
             return self._packed[rows]
         found: tuple[list[torch.Tensor], int] | None = None
         weights: list[torch.Tensor] = []
         inter = 0
         for layer in self.layers:
+            if self.dtype == torch.float32:
+                gate_up = layer.gate_up_silu
+                linears = [layer.qkv, layer.o, gate_up.linear, layer.down]
+                blocks = [lin.groups_at(rows) for lin in linears]
+                if gate_up.fused_at(rows) is not None or any(b is None for b in blocks):
+                    break
+                weights += [t for b in blocks if b is not None for t in b]
+                continue
             fused = layer.gate_up_silu.fused_at(rows)
             parts = [layer.qkv.packed_at(rows), layer.o.packed_at(rows)]
             parts += [None if fused is None else fused.packed, layer.down.packed_at(rows)]
@@ -367,10 +379,17 @@ class LeanLlama:
         h = F.embedding(seg.input_ids.reshape(-1), self.embed)
         x = F.rms_norm(h, (self.hidden,), self.layers[0].ln1, self.eps)
         pos = seg.positions
-        h = op.decode_layers(
-            h, x, self._ln1, self._ln2, weights, keys, values, start, end, self.cos[pos],
-            self.sin[pos], seg.mask.bool(), self.heads, self.kv_heads, inter, self.scale, self.eps,
-        )  # fmt: skip
+        cos, sin, mask = self.cos[pos], self.sin[pos], seg.mask.bool()
+        if self.dtype == torch.float32:
+            h = op.decode_layers_groups(
+                h, x, self._ln1, self._ln2, weights, keys, values, start, end, cos, sin, mask,
+                self.heads, self.kv_heads, self.scale, self.eps,
+            )  # fmt: skip
+        else:
+            h = op.decode_layers(
+                h, x, self._ln1, self._ln2, weights, keys, values, start, end, cos, sin, mask,
+                self.heads, self.kv_heads, inter, self.scale, self.eps,
+            )  # fmt: skip
         seg.cache.took_column()
         return self._logits(h)
 

@@ -145,6 +145,11 @@ class RowLinear:
         product of `rows` rows runs that op, else None (another kernel runs it)."""
         return None
 
+    def groups_at(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weight as the C++ op `group_linear` reads it (q, scale, lo) when a product of
+        `rows` rows runs that op, else None (another kernel runs it)."""
+        return None
+
 
 class DenseLinear(RowLinear):
     """`F.linear` on the weight as loaded."""
@@ -258,6 +263,10 @@ class GroupLinear(RowLinear):
         """The product."""
         y: torch.Tensor = self.op.group_linear(x.contiguous(), self.q, self.scale, self.lo)
         return y
+
+    def groups_at(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q, scale, lo), as `group_linear` reads them: this product runs it at any rows."""
+        return self.q, self.scale, self.lo
 
 
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -377,6 +386,10 @@ class SwitchLinear(RowLinear):
     def packed_at(self, rows: int) -> torch.Tensor | None:
         """The kernel's packed weight at `rows` rows, if that kernel is `bf16_linear`."""
         return (self.small if rows <= self.switch_rows else self.large).packed_at(rows)
+
+    def groups_at(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The kernel's blocks at `rows` rows, if that kernel is `group_linear`."""
+        return (self.small if rows <= self.switch_rows else self.large).groups_at(rows)
 
 
 class LargeRowsLinear(RowLinear):
