@@ -633,3 +633,15 @@ script_recipe(
     "--model", "smollm2", "--prompts", "24", "--max-new", "32", "--dtype", "bfloat16",
     "--out", "bench/results/llm_bf16_agreement.md",
 )  # fmt: skip
+script_recipe(
+    "rounding-sources", "llm_rounding_sources.py",
+    "Which bfloat16 rounding costs greedy agreement, simulated in float32 "
+    "(zen3-model1/bf16-rounding-sources.md).",
+    "--prompts", "64", "--max-new", "32", "base", "w", "wi", "wio", "wion", "r", "no", "wionr",
+)  # fmt: skip
+script_recipe(
+    "one-call-ab", "llm_one_call_ab.py",
+    "A decode step's layers in one C++ call against op by op, alternated "
+    "(zen3-model1/one-call-f32-ab.md).",
+    "--dtype", "float32", "--quantize", "int4",
+)  # fmt: skip
