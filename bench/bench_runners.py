@@ -13,7 +13,9 @@ Options:
 * `bf16-autocast`: float32 weights under `torch.autocast("cpu", torch.bfloat16)`;
 * `compile-fp32`, `compile-bf16`: `torch.compile(dynamic=True)` of the fp32 / bf16-cast model
   (its compile time is reported apart and kept out of the timings);
-* `packed-fp32`, `packed-bf16`: the padding-free runner (`runners/packed.py`).
+* `packed-fp32`, `packed-bf16`: the padding-free runner (`runners/packed.py`);
+* `packed-int8`, `int8`: the packed and the padded runner with `--quantize int8` (int8
+  products, float32 around them: `runners/int8.py`).
 
 `--ragged` makes rows of random lengths up to the point's length instead, and `--buckets` one
 such batch per length bucket (rows spread over the bucket): then padded and packed runners
@@ -56,6 +58,8 @@ OPTIONS = (
     "compile-bf16",
     "packed-fp32",
     "packed-bf16",
+    "packed-int8",
+    "int8",
 )
 
 
@@ -134,10 +138,11 @@ def _make(option: str, folder: Path) -> Callable[[Collated], Any]:
         from lenbatch.runners.packed import PackedEncoderRunner
 
         dtype = "bfloat16" if option.endswith("bf16") else "float32"
-        packed = PackedEncoderRunner(folder, dtype=dtype)
+        quantization = "int8" if option.endswith("int8") else "none"
+        packed = PackedEncoderRunner(folder, dtype=dtype, quantization=quantization)
         return packed.embed
     dtype = "bfloat16" if option in ("bf16-cast", "compile-bf16") else "float32"
-    runner = EncoderRunner(folder, dtype=dtype)
+    runner = EncoderRunner(folder, dtype=dtype, quantization="int8" if option == "int8" else "none")
     if option.startswith("compile"):
         runner.model = torch.compile(runner.model, dynamic=True)
     if option == "bf16-autocast":

@@ -182,3 +182,58 @@ def test_each_layer_offers_a_pause_point(
     got = runner.embed(batch)
     assert len(calls) == 2  # the tiny encoder's two layers
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def int8_set() -> tuple[list[str], list[str]]:
+    """(queries, corpus) for the int8 gate: 120 GSM8K questions; their 120 answers and 100
+    paragraphs of State of the Union speeches (220 passages, 340 texts in all)."""
+    rows = [
+        json.loads(line)
+        for line in (_DATA / "gsm8k_test.jsonl").read_text(encoding="utf-8").splitlines()[200:320]
+    ]
+    paragraphs: list[str] = []
+    with zipfile.ZipFile(_DATA / "nltk_state_union.zip") as z:
+        for name in sorted(n for n in z.namelist() if n.endswith(".txt"))[1:]:
+            text = z.read(name).decode("utf-8", errors="replace")
+            paragraphs += [p.strip() for p in text.split("\n\n") if len(p.split()) > 5]
+            if len(paragraphs) >= 100:
+                break
+    return [r["question"] for r in rows], [r["answer"] for r in rows] + paragraphs[:100]
+
+
+@pytest.fixture(scope="module")
+def int8_reference(int8_set: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray]:
+    """sentence-transformers fp32 vectors of the int8 gate's queries and corpus."""
+    folder, _ = resolve_model("minilm")
+    st = SentenceTransformer(str(folder), device="cpu")
+    queries, corpus = int8_set
+    return st.encode(queries, batch_size=16), st.encode(corpus, batch_size=16)
+
+
+@pytest.mark.parametrize("execution", ["packed", "padded"])
+def test_int8_passes_its_accuracy_gate(
+    execution: str,
+    int8_set: tuple[list[str], list[str]],
+    int8_reference: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """`--quantize int8` against sentence-transformers float32 on 340 real texts (issue 23's
+    gate): min cosine >= 0.99 and the same nearest neighbour for >= 99 % of the queries; the
+    top-5 overlap is printed, and must stay above 0.8."""
+    queries, corpus = int8_set
+    ref_q, ref_c = int8_reference
+    runner = load_runner("minilm", dtype="float32", execution=execution, quantization="int8")
+    assert runner.quantization == "int8"  # type: ignore[attr-defined]
+    ours_q = asyncio.run(_embed_all(runner, queries))
+    ours_c = asyncio.run(_embed_all(runner, corpus))
+    cos = np.concatenate([(ours_q * ref_q).sum(1), (ours_c * ref_c).sum(1)])
+    ref_top, top = _top(ref_q, ref_c), _top(ours_q, ours_c)
+    top1 = float((top[:, 0] == ref_top[:, 0]).mean())
+    overlap = float(np.mean([len(set(a) & set(b)) / 5 for a, b in zip(top, ref_top, strict=True)]))
+    print(
+        f"int8 {execution}: {len(cos)} texts, min cosine {cos.min():.5f}, mean "
+        f"{cos.mean():.5f}; nearest neighbour agrees {top1:.1%}, top-5 overlap {overlap:.1%}"
+    )
+    assert cos.min() >= 0.99, f"min cosine {cos.min():.5f}"
+    assert top1 >= 0.99, f"nearest neighbour agrees for {top1:.1%}"
+    assert overlap >= 0.8, f"top-5 overlap {overlap:.1%}"

@@ -130,7 +130,7 @@ def test_serve_refuses_model_flags_beside_models_tables(
 
 
 @pytest.mark.parametrize(("model", "runner"), [("minilm", "EncoderRunner")])
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int4"])
 def test_serve_refuses_a_quantization_no_runner_implements(
     model: str, runner: str, quantize: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,6 +138,14 @@ def test_serve_refuses_a_quantization_no_runner_implements(
     assert main(["serve", "--model", model, "--quantize", quantize]) == 2
     err = capsys.readouterr().err
     assert f"{runner} does not support quantization {quantize}" in err
+
+
+def test_serve_refuses_int8_encoders_beside_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
+    """An encoder's int8 products run with float32 around them: an explicit bfloat16 is
+    refused before loading, saying which dtypes go with int8."""
+    assert main(["serve", "--model", "minilm", "--quantize", "int8", "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "quantization int8" in err and "--dtype float32 or auto, not bfloat16" in err
 
 
 def test_serve_refuses_a_task_it_does_not_serve(

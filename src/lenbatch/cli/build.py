@@ -119,7 +119,6 @@ def _llm_app(settings: Settings, ref: Any, length_log: Any) -> tuple[Any, Any]:
         ref.folder,
         gguf_file=ref.gguf_file,
         name=ref.name,
-        quantization=m.quantization.value,
         **_runner_options(m),
     )
     engine = GenerationEngine(
@@ -175,7 +174,8 @@ def _cpu_layout(settings: Settings) -> Settings:
 
 def _runner_options(m: Any) -> dict[str, Any]:
     """What every runner takes from the model settings, under the settings' own names."""
-    return {name: getattr(m, name) for name in ("device", "max_length", "torch_threads", "dtype")}
+    names = ("device", "max_length", "torch_threads", "dtype")
+    return {**{name: getattr(m, name) for name in names}, "quantization": m.quantization.value}
 
 
 def _serve_cost(

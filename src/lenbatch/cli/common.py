@@ -97,8 +97,9 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
         choices=["none", "int8", "int4"],
         help="weight quantization, apart from --dtype (default none): causal LMs run int8 or "
         "int4 weight-only products at small row counts (with --dtype float32, int4 runs a Q4_1 "
-        "GGUF's own weights exactly); encoders implement none yet, and a runner that does not "
-        "implement the one asked for refuses to start",
+        "GGUF's own weights exactly); encoders run int8 (int8 weights per channel and "
+        "activations per token, float32 around them; --dtype float32 or auto). A runner that "
+        "does not implement the one asked for refuses to start",
     )
 
 

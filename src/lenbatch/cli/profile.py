@@ -8,7 +8,12 @@ import os
 import sys
 from typing import Any
 
-from lenbatch.cli.common import add_boundaries_option, add_precision_options, int_list
+from lenbatch.cli.common import (
+    add_boundaries_option,
+    add_precision_options,
+    add_quantize_option,
+    int_list,
+)
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 DEFAULT_LENGTHS = "16,32,64,128,256"
@@ -38,6 +43,7 @@ def register(sub: Any) -> None:
     # As `serve` runs the model. The grid's rows are all of the point's length, so packed and
     # padded batches hold the same tokens.
     add_precision_options(p, default="auto")
+    add_quantize_option(p)
     p.add_argument(
         "--batch-sizes",
         type=int_list,
@@ -79,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         dtype=args.dtype,
         execution=args.execution,
+        quantization=args.quantize or "none",
     )
     limit = runner.info.max_length
     lengths = args.lengths or [n for n in int_list(DEFAULT_LENGTHS) if n <= limit]

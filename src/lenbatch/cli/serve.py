@@ -366,6 +366,10 @@ def _check_task_and_quantization(m: ModelConfig) -> None:
         else:
             from lenbatch.runners.encoder import EncoderRunner as runner
         check_quantization(m.quantization.value, runner.__name__, runner_quantizations(runner))
+        if not causal:
+            from lenbatch.runners.encoder import encoder_precision
+
+            encoder_precision(m.dtype, m.device, m.quantization.value)  # int8 beside bfloat16
 
 
 def _run_ray(args: argparse.Namespace, settings: Settings) -> int:

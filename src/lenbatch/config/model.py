@@ -27,7 +27,7 @@ class Quantization(StrEnum):
     """How a model's weights are stored, apart from the float type of its activations."""
 
     NONE = "none"  # the weights in the model's float type (`dtype`)
-    INT8 = "int8"  # 8-bit integer weights (causal LMs, weight-only; encoders refuse it)
+    INT8 = "int8"  # 8-bit integers (causal LMs: weight-only; encoders: weights and activations)
     INT4 = "int4"  # 4-bit integer weights (causal LMs, weight-only; encoders refuse it)
 
 
@@ -71,7 +71,8 @@ class ModelConfig(BaseModel):
     implement int8 and int4 (groups of 32), weight-only, up to the row count where they beat
     the dense kernel on this processor (measured at load): in float32, lenbatch's own loop with
     GGUF's Q8_0 / Q4_1 blocks (a Q4_1 GGUF then runs its shipped weights exactly); in bfloat16,
-    torch's kernels (int8 per channel). Encoders implement none."""
+    torch's kernels (int8 per channel). Encoders implement int8: int8 weights per channel and
+    activations per token through oneDNN's int8 product, float32 around it (`runners.int8`)."""
     cost_model: str | None = None
     """Path of the cost model (`lenbatch profile` JSON) this deployment was tuned with, `auto`
     (the one measured on this processor: the user's cache of self-calibrated models, then

@@ -20,11 +20,11 @@ import torch
 
 from lenbatch.core.collate import Collated
 from lenbatch.runners.base import ModelInfo, RunnerMemory
-from lenbatch.runners.hardware import resolve_precision
+from lenbatch.runners.hardware import Precision, check_quantization, resolve_precision
 from lenbatch.runners.memory import current_rss, peak_rss
 from lenbatch.runners.tokenizer import TextTokenizer
 
-__all__ = ["EncoderRunner", "read_pooling", "read_prompts"]
+__all__ = ["EncoderRunner", "encoder_precision", "read_pooling", "read_prompts"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -73,12 +73,29 @@ def read_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
     return prompts, None if default is None else str(default)
 
 
+def encoder_precision(dtype: str, device: str, quantization: str) -> Precision:
+    """The float type of an encoder runner: `dtype`'s, or float32 around int8 products
+    (`--quantize int8` with `--dtype` float32 or auto; bfloat16 beside int8 is refused)."""
+    if quantization != "int8":
+        return resolve_precision(dtype, device)
+    if dtype not in ("float32", "auto"):
+        raise ValueError(
+            f"quantization int8 runs the encoder's products in int8 and the rest in float32: "
+            f"serve it with --dtype float32 or auto, not {dtype}"
+        )
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization int8 runs on CPU only, not on {device}")
+    return Precision(torch.float32, "float32", "int8 products, float32 around them")
+
+
 class EncoderRunner:
     """Runs an encoder on collated batches and pools each row into one vector."""
 
     pools = True  # pools hidden states into a vector (a scorer's head does its own pooling)
     # The engine runs every bucket's batch shapes once before it is ready (embed/warmup.py).
     needs_warm_up = True
+    # `int8`: the encoder layers' matrix products in int8 (`runners.int8`), the rest float32.
+    quantizations = ("none", "int8")
 
     def __init__(
         self,
@@ -90,6 +107,7 @@ class EncoderRunner:
         torch_threads: int | None = None,
         dtype: str = "float32",
         default_prompt_name: str | None = None,
+        quantization: str = "none",
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -97,7 +115,10 @@ class EncoderRunner:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
-        self.precision = resolve_precision(dtype, device)
+        self.quantization = check_quantization(
+            quantization, type(self).__name__, self.quantizations
+        )
+        self.precision = encoder_precision(dtype, device, quantization)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder)
         self.model: Any = self._load_model().to(self.device, dtype=self._load_dtype()).eval()
         self.pooling, self.normalize, st_max = read_pooling(self.folder)
@@ -141,15 +162,28 @@ class EncoderRunner:
         # Several models in one process: called in the worker thread between two layers, where
         # the CPU budget may pause this call for another model's turn (`serving/budget.py`).
         self.between_layers: Callable[[], None] | None = None
+        int8_bytes = 0
         for layers in self.model.modules():
             if isinstance(layers, torch.nn.ModuleList) and len(layers) > 1:
                 for layer in layers:
                     layer.register_forward_pre_hook(self._before_layer)
-                break  # the first stack of layers is the encoder's
-        self._weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                int8_bytes = self._quantize(layers)
+                break  # the first stack of layers is the encoder's (a scorer's head stays)
+        self._weights = int8_bytes + sum(
+            p.numel() * p.element_size() for p in self.model.parameters()
+        )
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _quantize(self, layers: torch.nn.ModuleList) -> int:
+        """With `quantization` int8, put the int8 product in place of every linear layer of
+        the encoder's `layers`; returns the bytes their weights now hold."""
+        if self.quantization != "int8":
+            return 0
+        from lenbatch.runners.int8 import quantize_linears
+
+        return quantize_linears(layers)
 
     def _before_layer(self, module: Any, args: Any) -> None:
         if self.between_layers is not None:

@@ -41,6 +41,7 @@ def load_runner(
     execution: str = "padded",
     head: bool = False,
     default_prompt_name: str | None = None,
+    quantization: str = "none",
 ) -> EmbeddingRunner:
     """Load the model called `name` (alias or folder) as an embedding runner, or with
     `head` as a sequence-classification scorer (`runners.scorer`: raw logits per row).
@@ -50,6 +51,7 @@ def load_runner(
     `execution` is `padded`, `packed` (padding-free, `runners.packed`; BERT-family only) or
     `auto` (packed where the model supports it). `default_prompt_name` names the
     sentence-transformers prompt put before inputs that name none (default: the folder's).
+    `quantization` `int8` runs the encoder layers' products in int8 (`runners.int8`).
     """
     if execution not in ("padded", "packed", "auto"):
         raise ValueError(f"execution {execution!r}: expected padded, packed or auto")
@@ -92,6 +94,7 @@ def load_runner(
         torch_threads=torch_threads,
         dtype=dtype,
         default_prompt_name=default_prompt_name,
+        quantization=quantization,
     )
 
 

@@ -20,7 +20,9 @@ result equals Hugging Face's forward up to float rounding: within 1e-5 of senten
 in float32 (a test checks). In bfloat16 the matrix products run in bfloat16 on bfloat16 copies
 of the weights made at load, while the residual stream, LayerNorms, pooling and the softmax's
 accumulation stay float32, as `torch.autocast` would run them but without re-casting the
-weights on every call.
+weights on every call. With `quantization` int8 the four products of each layer run in int8
+(`runners.int8.Int8Linear`: weights per channel, activations per token) and the rest in
+float32.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch.nn.functional as F
 from lenbatch.core.collate import Collated, Packed, pack_collated
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.encoder import EncoderRunner
-from lenbatch.runners.linears import Linear, linear_kind, rounded_tokens
+from lenbatch.runners.int8 import Int8Linear, int8_kind
+from lenbatch.runners.linears import Activation, Linear, linear_kind, rounded_tokens
 from lenbatch.runners.memory import current_rss
 
 __all__ = ["PackedEncoderRunner", "supports_packing"]
@@ -69,23 +72,26 @@ class _Layer:
         q, k, v = att.query, att.key, att.value
         self.heads = int(att.num_attention_heads)
         self.head_dim = int(att.attention_head_size)
-        self.qkv = Linear(
-            torch.cat([q.weight, k.weight, v.weight]),
-            torch.cat([q.bias, k.bias, v.bias]),
-            dtype,
-            kind,
+
+        def linear(w: torch.Tensor, b: torch.Tensor, act: Activation = "none") -> Any:
+            if kind == "int8":  # int8 weights and activations, float32 out (runners.int8)
+                return Int8Linear(w, b, act)
+            return Linear(w, b, dtype, kind, act)
+
+        self.qkv = linear(
+            torch.cat([q.weight, k.weight, v.weight]), torch.cat([q.bias, k.bias, v.bias])
         )
         out = layer.attention.output.dense
-        self.attn_out = Linear(out.weight, out.bias, dtype, kind)
+        self.attn_out = linear(out.weight, out.bias)
         self.attn_norm = layer.attention.output.LayerNorm
         up = layer.intermediate.dense
-        self.up = Linear(up.weight, up.bias, dtype, kind, "gelu" if gelu else "none")
+        self.up = linear(up.weight, up.bias, "gelu" if gelu else "none")
         # Applied after `up`: nothing when GELU is fused into it, else the model's own.
         self.act: Any = (lambda t: t) if gelu else layer.intermediate.intermediate_act_fn
-        self.down = Linear(layer.output.dense.weight, layer.output.dense.bias, dtype, kind)
+        self.down = linear(layer.output.dense.weight, layer.output.dense.bias)
         self.out_norm = layer.output.LayerNorm
 
-    def linears(self) -> tuple[Linear, ...]:
+    def linears(self) -> tuple[Linear | Int8Linear, ...]:
         """Its four matrix products."""
         return (self.qkv, self.attn_out, self.up, self.down)
 
@@ -116,7 +122,13 @@ class PackedEncoderRunner(EncoderRunner):
         self._types = emb.token_type_embeddings
         self._type0 = emb.token_type_embeddings.weight[0].detach()
         self._emb_norm = emb.LayerNorm
-        self.linears, linears_why = linear_kind(self.device, mm_dtype)
+        if self.quantization == "int8":
+            ok, linears_why = int8_kind()
+            if not ok:
+                raise ValueError(f"quantization int8 is not available here: {linears_why}")
+            self.linears = "int8"
+        else:
+            self.linears, linears_why = linear_kind(self.device, mm_dtype)
         gelu = getattr(self.model.config, "hidden_act", None) == "gelu"  # exact GELU
         self._layers = [
             _Layer(layer, mm_dtype, self.linears, gelu) for layer in self.model.encoder.layer
@@ -157,6 +169,11 @@ class PackedEncoderRunner(EncoderRunner):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 yield t
+
+    def _quantize(self, layers: torch.nn.ModuleList) -> int:
+        """Nothing: the packed layers take their int8 products from the float32 weights
+        (`_Layer`), and the model's own layers are dropped."""
+        return 0
 
     def _load_dtype(self) -> torch.dtype:
         return torch.float32  # the matrix products get their own copies (see __init__)

@@ -106,6 +106,7 @@ class EngineReplica(ReplicaShell):
             torch_threads=m.torch_threads or threads,
             dtype=m.dtype,
             execution=execution,
+            quantization=m.quantization.value,
         )
         # Replicas share the machine: pinned, each one's forwards would crowd onto the same core.
         batching = self.settings.batching.model_copy(update={"pin_workers": False})
