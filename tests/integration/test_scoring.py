@@ -256,17 +256,31 @@ def test_rerank_on_an_embedder_says_what_it_serves(minilm: EmbeddingRunner) -> N
 
 
 @pytest.mark.parametrize("execution", ["padded", "packed"])
-def test_bfloat16_agreement(
-    execution: str, scorer_dir: Path, reference: tuple[np.ndarray, np.ndarray]
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("bfloat16", "none"), ("float32", "int8")], ids=["bf16", "int8"]
+)
+def test_bfloat16_and_int8_agreement(
+    execution: str,
+    dtype: str,
+    quantization: str,
+    scorer_dir: Path,
+    reference: tuple[np.ndarray, np.ndarray],
 ) -> None:
-    """bfloat16 heads against CrossEncoder in float32: the figure docs/tasks.md states (printed
-    with `pytest -s`), bounded loosely here; the same best document."""
-    runner = load_runner(str(scorer_dir), execution=execution, head=True, dtype="bfloat16")
+    """bfloat16 and int8 (its encoder layers; the head stays float32) against CrossEncoder in
+    float32: the figure docs/tasks.md states for bfloat16 (printed with `pytest -s`), bounded
+    loosely here; the same best document."""
+    runner = load_runner(
+        str(scorer_dir), execution=execution, head=True, dtype=dtype, quantization=quantization
+    )
+    assert runner.quantization == quantization  # type: ignore[attr-defined]
     assert isinstance(runner, ScoringRunner)
     pairs = runner.tokenize_pairs([(QUERY, d) for d in DOCS], False)
     logits = runner.embed(collate(pairs.ids, 0, segments=pairs.token_type_ids))[:, 0]
     scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
     diff = float(np.abs(scores - reference[0]).max())
-    print(f"bf16 {execution}: max abs diff of scores vs CrossEncoder fp32 {diff:.2e}")
+    print(
+        f"{dtype} {quantization} {execution}: max abs diff of scores vs CrossEncoder fp32 "
+        f"{diff:.2e}"
+    )
     assert diff <= 0.05
     assert int(np.argmax(scores)) == int(np.argmax(reference[0]))
