@@ -150,10 +150,11 @@ class PackedEncoderRunner(EncoderRunner):
             lin.nbytes for layer in self._layers for lin in layer.linears()
         )
         self._rss_after_load = current_rss()
+        products = "int8" if self.linears == "int8" else self.precision.name
         log.info(
             "packed execution: %s; matrix products in %s, %s weights (%s)",
             why,
-            self.precision.name,
+            products,
             self.linears,
             linears_why,
         )
