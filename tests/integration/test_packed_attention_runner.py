@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from lenbatch.runners import decode_attention as da
-from tests.helpers import AVX512
+from tests.helpers import needs_avx512, needs_op
 
 
-@pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param("float32", marks=needs_op), pytest.param("bfloat16", marks=needs_avx512)],
+)
 def test_the_packed_runner_with_the_op_equals_it_without(
     dtype: str, monkeypatch: pytest.MonkeyPatch, real_texts: list[str]
 ) -> None:

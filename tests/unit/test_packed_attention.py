@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
 from lenbatch.runners.hardware import cpu_flags
-from tests.helpers import AVX512
+from tests.helpers import needs_avx512, needs_op
 
-pytestmark = pytest.mark.skipif(not AVX512, reason="the op is built only on a CPU with AVX-512")
+# float32 runs in every build (AVX-512, or AVX2 + FMA); bfloat16, the tiles and causal or
+# grouped heads need AVX-512 (and AMX where marked).
 
 
 def _reference(qkv: torch.Tensor, lengths: list[int], heads: int) -> torch.Tensor:
@@ -38,7 +39,11 @@ AMX = "amx_bf16" in cpu_flags()
 @pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize(
     ("dtype", "amx"),
-    [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
+    [
+        pytest.param(torch.float32, True, marks=needs_op),
+        pytest.param(torch.bfloat16, False, marks=needs_avx512),
+        pytest.param(torch.bfloat16, True, marks=needs_avx512),
+    ],
     ids=["float32", "bfloat16-avx512", "bfloat16-amx-where-present"],
 )
 def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype, amx: bool) -> None:
@@ -60,6 +65,7 @@ def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype, amx: bool) -> No
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
+@needs_op
 def test_the_tile_unit_is_used_where_the_cpu_has_it() -> None:
     """On an AMX CPU the build holds the tile path and Linux grants it; elsewhere it is absent
     (a Zen 4 has AVX-512 but no tiles). The two paths differ in their rounding (probabilities
@@ -153,6 +159,7 @@ def test_chunk_attention_over_cached_columns(heads: int, kv_heads: int, dim: int
         op.chunk_attention(qkv, keys[:, :, :10], values[:, :, :10], first, heads, 0.1)
 
 
+@needs_op
 def test_refuses_what_it_cannot_compute() -> None:
     op = da.decode_attention_op()
     assert op is not None
@@ -167,10 +174,13 @@ def test_refuses_what_it_cannot_compute() -> None:
         op.packed_attention(qkv.double(), torch.tensor([0, 10]), 2, 0.1)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         op.packed_attention(torch.randn(10, 7 * 32), torch.tensor([0, 10]), 3, 0.1, True, 2)
-    with pytest.raises(RuntimeError, match="runs only on AMX tiles"):  # float32 never does
+    # float32 never runs causal or grouped heads; an AVX2 build no bfloat16 either
+    refused = r"runs only on AMX tiles|float32 encoder attention only"
+    with pytest.raises(RuntimeError, match=refused):
         op.packed_attention(qkv, torch.tensor([0, 10]), 2, 0.1, True, 2, True)
 
 
+@needs_op
 def test_the_op_lets_other_python_threads_run() -> None:
     """The op runs without the GIL: Python code in another thread keeps running meanwhile (a
     runner thread inside the op must not stop the event loop or the other runner)."""

@@ -1415,6 +1415,132 @@ void packed_head(const T* base, int64_t stride, int64_t hidden, int64_t h, int64
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// e^x of 8 float32 lanes (the AVX-512 exp16's polynomial; 2^n built in the exponent bits, so
+// x is clamped where 2^n stays a normal float).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// The float32 encoder attention of one (sequence, head) on AVX2 (a Zen 3): the AVX-512 loop's
+// layout and order with 8 lanes. Scores: QB = 8 queries against 8 keys at a time (8
+// accumulators); the weighted sum: 2 queries x 32 columns at a time (8 accumulators), so that
+// a 128-wide head fits the 16 registers too.
+template <int D>
+void packed_head_avx2(const float* base, int64_t stride, int64_t hidden, int64_t h, int64_t n,
+                      float scale, std::vector<float>& kt, std::vector<float>& vf,
+                      std::vector<float>& sc, std::vector<float>& qf, float* out) {
+  constexpr int64_t QB = 8;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  kt.assign(D * n8, 0.f);
+  vf.resize(n * D);
+  sc.resize(QB * n8);
+  qf.resize(QB * D);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = base + j * stride + hidden + h * D;
+    const float* v = base + j * stride + 2 * hidden + h * D;
+    for (int64_t d = 0; d < D; ++d) kt[d * n8 + j] = k[d];
+    std::memcpy(vf.data() + j * D, v, D * sizeof(float));
+  }
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t tail = n - (n8 - 8);  // real keys in the last block of 8 (1..8)
+  const __m256 keep = _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
+                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  float* qp = qf.data();
+  const float* ktp = kt.data();
+  const float* vp = vf.data();
+  for (int64_t i0 = 0; i0 < n; i0 += QB) {
+    const int64_t m = std::min(QB, n - i0);
+    for (int64_t r = 0; r < QB; ++r) {  // a short last block repeats its last query
+      const float* q = base + (i0 + std::min(r, m - 1)) * stride + h * D;
+      for (int64_t d = 0; d < D; ++d) qp[r * D + d] = q[d] * scale;
+    }
+    __m256 top[QB];
+    for (int64_t r = 0; r < QB; ++r) top[r] = ninf;
+    for (int64_t jb = 0; jb < n8; jb += 8) {
+      __m256 a[QB];
+      for (int64_t r = 0; r < QB; ++r) a[r] = _mm256_setzero_ps();
+      const float* kcol = ktp + jb;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 kv = _mm256_loadu_ps(kcol + d * n8);
+        for (int64_t r = 0; r < QB; ++r)
+          a[r] = _mm256_fmadd_ps(_mm256_set1_ps(qp[r * D + d]), kv, a[r]);
+      }
+      const bool last = jb + 8 == n8;
+      for (int64_t r = 0; r < QB; ++r) {
+        if (last) a[r] = _mm256_blendv_ps(ninf, a[r], keep);
+        _mm256_storeu_ps(sc.data() + r * n8 + jb, a[r]);
+        top[r] = _mm256_max_ps(top[r], a[r]);
+      }
+    }
+    float inv[QB];
+    for (int64_t r = 0; r < QB; ++r) {
+      float* srow = sc.data() + r * n8;
+      const __m256 vtop = _mm256_set1_ps(hmax8(top[r]));
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t jb = 0; jb < n8; jb += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + jb), vtop));
+        if (jb + 8 == n8) e = _mm256_and_ps(e, keep);  // padding keys weigh nothing
+        _mm256_storeu_ps(srow + jb, e);
+        total = _mm256_add_ps(total, e);
+      }
+      inv[r] = 1.f / hsum8(total);
+    }
+    const float* sp = sc.data();
+    for (int64_t r0 = 0; r0 < m; r0 += 2) {
+      const int64_t rows = std::min<int64_t>(2, m - r0);
+      for (int64_t c0 = 0; c0 < D; c0 += 32) {
+        __m256 acc[2][4];
+        for (auto& row : acc)
+          for (auto& x : row) x = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          __m256 vv[4];
+          for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(vp + j * D + c0 + 8 * c);
+          for (int64_t r = 0; r < 2; ++r) {
+            const __m256 p = _mm256_set1_ps(sp[(r0 + r) * n8 + j]);
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* o = out + (i0 + r0 + r) * hidden + h * D + c0;
+          const __m256 scale_r = _mm256_set1_ps(inv[r0 + r]);
+          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[r][c], scale_r));
+        }
+      }
+    }
+  }
+}
+#endif
+
 #if defined(LENBATCH_AMX)
 bool amx_ready();
 #endif
@@ -1912,8 +2038,31 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
   };
   if (qkv.scalar_type() == at::kBFloat16) by_dim(c10::BFloat16{});
   else by_dim(float{});
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The AVX2 loop: float32, bidirectional, one key/value head per query head (encoders).
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && !causal && kv_heads == heads,
+              "packed_attention: an AVX2 build runs float32 encoder attention only (use "
+              "torch's attention elsewhere)");
+  const float fscale = static_cast<float>(scale);
+  const int64_t stride = qkv.size(1);
+  const float* q = qkv.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  auto run = [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kt, vf, sc, qf;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / heads, h = task % heads, start = o[s];
+        packed_head_avx2<D>(q + start * stride, stride, hidden, h, o[s + 1] - start, fscale, kt,
+                            vf, sc, qf, dst + start * hidden);
+      }
+    });
+  };
+  if (head_dim == 32) run(std::integral_constant<int, 32>{});
+  else if (head_dim == 64) run(std::integral_constant<int, 64>{});
+  else run(std::integral_constant<int, 128>{});
 #else
-  TORCH_CHECK(false, "packed_attention: built without AVX-512");
+  TORCH_CHECK(false, "packed_attention: built without AVX-512 or AVX2");
 #endif
   return out;
 }
@@ -2152,15 +2301,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One decode step's decoder layers (float32, group-loop products) in one call; writes "
         "each layer's keys and values at column end and returns the residual stream");
 #endif
-  // The bfloat16 products and attention paths: AVX-512 builds only (the Python side
-  // looks for each op by name and runs torch where it is missing).
-#if defined(__AVX512F__)
+  // Packed attention: every build (AVX2: float32 encoder attention only).
   m.def("packed_attention", &packed_attention, nogil(),
         "Packed self-attention from qkv [tokens, (heads + 2 kv_heads) x dim] and offsets "
         "(bfloat16 on the AMX tile unit where the CPU has one and use_amx is true; causal and "
-        "grouped-query heads only there)",
+        "grouped-query heads only there; an AVX2 build: float32 encoders only)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"),
         py::arg("use_amx") = true, py::arg("kv_heads") = 0, py::arg("causal") = false);
+  // The bfloat16 products and attention paths: AVX-512 builds only (the Python side
+  // looks for each op by name and runs torch where it is missing).
+#if defined(__AVX512F__)
   m.def("bf16_linear", &bf16_linear, nogil(),
         "x @ W.T for bfloat16 x [rows, in] and W reordered into blocks of 16 outputs x column "
         "pairs (few rows: the weights streamed once, float32 sums)",

@@ -8,10 +8,10 @@ batch whose rows all have the same length (a bucket's batch often does) skips th
 the mask. For MiniLM at bucket lengths attention is the small part of the cost, so padding
 there costs little; the feed-forward and projections, which dominate, see no padding at all.
 
-Where lenbatch's C++ ops build (an x86 CPU with AVX-512 and a compiler:
-`runners/decode_attention.py`, whose `LENBATCH_DECODE_ATTENTION=sdpa` forces torch's path),
-attention runs on the packed Q/K/V directly (`packed_attention`): each sequence attends to its
-own tokens, with no grid, no mask and nothing gathered back. On MiniLM's buckets, 32 rows,
+Where lenbatch's C++ ops build (an x86 CPU with AVX-512, or AVX2 and FMA for float32, and a
+compiler: `runners/decode_attention.py`, whose `LENBATCH_DECODE_ATTENTION=sdpa` forces torch's
+path), attention runs on the packed Q/K/V directly (`packed_attention`): each sequence attends
+to its own tokens, with no grid, no mask and nothing gathered back. On MiniLM's buckets, 32 rows,
 bfloat16, one thread (Intel Xeon family 6 model 167): 1.2-2.2x faster than the grid and torch's
 attention, the most on short and on long rows.
 
@@ -140,8 +140,11 @@ class PackedEncoderRunner(EncoderRunner):
             if self.device.type == "cpu" and head_dims <= {32, 64, 128}
             else None
         )
-        # An AVX2 build holds no packed attention: torch's then runs it.
-        self._kernel = kernel if hasattr(kernel, "packed_attention") else None
+        # An AVX2 build's packed attention runs float32 only (an AVX-512 build's, bfloat16
+        # too; it alone holds `bf16_linear`): elsewhere torch's runs it.
+        float_only = not hasattr(kernel, "bf16_linear")
+        usable = mm_dtype == torch.float32 or not float_only
+        self._kernel = kernel if hasattr(kernel, "packed_attention") and usable else None
         self._amx = amx_allowed()
         # The layers now hold what they need (fused Q/K/V, bf16 copies); the model's own
         # encoder weights would only take memory.
