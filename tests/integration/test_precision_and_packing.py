@@ -44,13 +44,17 @@ def retrieval_set() -> tuple[list[str], list[str]]:
     return [r["question"] for r in rows], [r["answer"] for r in rows] + paragraphs
 
 
+def _st_vectors(queries: list[str], corpus: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """sentence-transformers fp32 vectors of `queries` and `corpus`."""
+    folder, _ = resolve_model("minilm")
+    st = SentenceTransformer(str(folder), device="cpu")
+    return st.encode(queries, batch_size=16), st.encode(corpus, batch_size=16)
+
+
 @pytest.fixture(scope="module")
 def reference(retrieval_set: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray]:
     """sentence-transformers fp32 vectors of the queries and the corpus."""
-    folder, _ = resolve_model("minilm")
-    st = SentenceTransformer(str(folder), device="cpu")
-    queries, corpus = retrieval_set
-    return st.encode(queries, batch_size=16), st.encode(corpus, batch_size=16)
+    return _st_vectors(*retrieval_set)
 
 
 async def _embed_all(runner: EmbeddingRunner, texts: list[str]) -> np.ndarray:
@@ -205,10 +209,7 @@ def int8_set() -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module")
 def int8_reference(int8_set: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray]:
     """sentence-transformers fp32 vectors of the int8 gate's queries and corpus."""
-    folder, _ = resolve_model("minilm")
-    st = SentenceTransformer(str(folder), device="cpu")
-    queries, corpus = int8_set
-    return st.encode(queries, batch_size=16), st.encode(corpus, batch_size=16)
+    return _st_vectors(*int8_set)
 
 
 @pytest.mark.parametrize("execution", ["packed", "padded"])
