@@ -134,3 +134,9 @@ def test_quantize_linears_replaces_each_linear_and_counts_its_bytes() -> None:
     assert isinstance(model[1], torch.nn.GELU)
     assert nbytes == 32 * (64 + 4) + 4 * 32 + 8 * (32 + 4) + 4 * 8
     assert _relative_error(model(x), ref) < 0.05
+    # a product named in `keep` (dotted, under the module) stays float32
+    pair = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    nested = torch.nn.ModuleList([pair])
+    int8.quantize_linears(nested, ("0.1",))
+    assert not isinstance(nested[0][0], torch.nn.Linear)
+    assert isinstance(nested[0][1], torch.nn.Linear)

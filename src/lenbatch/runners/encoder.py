@@ -181,9 +181,9 @@ class EncoderRunner:
         the encoder's `layers`; returns the bytes their weights now hold."""
         if self.quantization != "int8":
             return 0
-        from lenbatch.runners.int8 import quantize_linears
+        from lenbatch.runners.int8 import FLOAT32_PRODUCTS, quantize_linears
 
-        return quantize_linears(layers)
+        return quantize_linears(layers, FLOAT32_PRODUCTS)
 
     def _before_layer(self, module: Any, args: Any) -> None:
         if self.between_layers is not None:

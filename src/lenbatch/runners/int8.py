@@ -10,7 +10,8 @@ Each product `x @ W.T + b` runs on torch's oneDNN int8 kernel (`onednn::qlinear_
   vector depend on its batchmates and costs accuracy (MiniLM on 388 real texts against
   sentence-transformers float32: min cosine 0.962 per tensor, 0.993 per row);
 * the output multiplied back by each row's scale, plus the bias, in float32, and GELU (exact)
-  where the layer has it.
+  where the layer has it;
+* one product left in float32: the first layer's feed-forward output (`FLOAT32_PRODUCTS`).
 
 Why 7-bit weights: a CPU without VNNI (AVX2: a Zen 3) multiplies uint8 by int8 with
 `vpmaddubsw`, which adds two products into a saturating 16-bit sum. With full 8-bit operands
@@ -34,7 +35,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACT_LEVELS", "WEIGHT_LEVELS", "Int8Linear", "int8_kind", "quantize_linears"]
+__all__ = [
+    "ACT_LEVELS",
+    "FLOAT32_PRODUCTS",
+    "WEIGHT_LEVELS",
+    "Int8Linear",
+    "int8_kind",
+    "quantize_linears",
+]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -161,15 +169,27 @@ class _Int8Module(torch.nn.Module):
         return self.int8(x)
 
 
-def quantize_linears(module: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` inside `module` by its int8 form, in place; returns the bytes
-    the int8 weights hold."""
+# The one product a BERT-family encoder keeps in float32 under int8: the first layer's
+# feed-forward output (`encoder.layer[0].output.dense`). Its input carries the activation
+# outliers that one scale per token cannot hold: on 800 real paragraphs MiniLM's worst text
+# had cosine 0.9817 against sentence-transformers float32 with it in int8, 0.9957 without
+# (every other single product kept in float32 left it at 0.980-0.985). AMD EPYC family 25
+# model 1; it costs about a twentieth of the products' int8 gain.
+FLOAT32_PRODUCTS = ("0.output.dense",)
+
+
+def quantize_linears(module: torch.nn.Module, keep: tuple[str, ...] = (), prefix: str = "") -> int:
+    """Replace every `nn.Linear` inside `module` by its int8 form, in place, but those whose
+    dotted name under `module` is in `keep`; returns the bytes the int8 weights hold."""
     nbytes = 0
     for name, child in list(module.named_children()):
+        path = f"{prefix}{name}"
         if isinstance(child, torch.nn.Linear):
+            if path in keep:
+                continue
             int8 = _Int8Module(child)
             setattr(module, name, int8)
             nbytes += int8.int8.nbytes
         else:
-            nbytes += quantize_linears(child)
+            nbytes += quantize_linears(child, keep, f"{path}.")
     return nbytes

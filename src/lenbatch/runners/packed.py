@@ -20,9 +20,9 @@ result equals Hugging Face's forward up to float rounding: within 1e-5 of senten
 in float32 (a test checks). In bfloat16 the matrix products run in bfloat16 on bfloat16 copies
 of the weights made at load, while the residual stream, LayerNorms, pooling and the softmax's
 accumulation stay float32, as `torch.autocast` would run them but without re-casting the
-weights on every call. With `quantization` int8 the four products of each layer run in int8
-(`runners.int8.Int8Linear`: weights per channel, activations per token) and the rest in
-float32.
+weights on every call. With `quantization` int8 the products run in int8 (`runners.int8.Int8Linear`:
+weights per channel, activations per token; the first layer's feed-forward output stays
+float32) and the rest in float32.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from lenbatch.core.collate import Collated, Packed, pack_collated
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.encoder import EncoderRunner
-from lenbatch.runners.int8 import Int8Linear, int8_kind
+from lenbatch.runners.int8 import FLOAT32_PRODUCTS, Int8Linear, int8_kind
 from lenbatch.runners.linears import Activation, Linear, linear_kind, rounded_tokens
 from lenbatch.runners.memory import current_rss
 
@@ -67,7 +67,9 @@ class _Layer:
     """One BERT layer's parts, with Q, K and V fused into one matrix product, and GELU fused
     into the feed-forward's first product where the model uses exact GELU."""
 
-    def __init__(self, layer: Any, dtype: torch.dtype, kind: str, gelu: bool) -> None:
+    def __init__(
+        self, layer: Any, dtype: torch.dtype, kind: str, gelu: bool, down_kind: str | None = None
+    ) -> None:
         att = layer.attention.self
         q, k, v = att.query, att.key, att.value
         self.heads = int(att.num_attention_heads)
@@ -88,7 +90,11 @@ class _Layer:
         self.up = linear(up.weight, up.bias, "gelu" if gelu else "none")
         # Applied after `up`: nothing when GELU is fused into it, else the model's own.
         self.act: Any = (lambda t: t) if gelu else layer.intermediate.intermediate_act_fn
-        self.down = linear(layer.output.dense.weight, layer.output.dense.bias)
+        down = layer.output.dense
+        if down_kind is None:
+            self.down = linear(down.weight, down.bias)
+        else:  # a float32 product under int8 (`runners.int8.FLOAT32_PRODUCTS`)
+            self.down = Linear(down.weight, down.bias, dtype, down_kind)
         self.out_norm = layer.output.LayerNorm
 
     def linears(self) -> tuple[Linear | Int8Linear, ...]:
@@ -130,8 +136,14 @@ class PackedEncoderRunner(EncoderRunner):
         else:
             self.linears, linears_why = linear_kind(self.device, mm_dtype)
         gelu = getattr(self.model.config, "hidden_act", None) == "gelu"  # exact GELU
+        # Under int8 the first layer's feed-forward output stays float32 (FLOAT32_PRODUCTS).
+        exact = linear_kind(self.device, torch.float32)[0] if self.linears == "int8" else None
+        float32_down = {
+            int(name.split(".")[0]) for name in FLOAT32_PRODUCTS if name.endswith(".output.dense")
+        }
         self._layers = [
-            _Layer(layer, mm_dtype, self.linears, gelu) for layer in self.model.encoder.layer
+            _Layer(layer, mm_dtype, self.linears, gelu, exact if i in float32_down else None)
+            for i, layer in enumerate(self.model.encoder.layer)
         ]
         self._mm_dtype = mm_dtype
         head_dims = {layer.head_dim for layer in self._layers}
