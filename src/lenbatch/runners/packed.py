@@ -138,11 +138,14 @@ class PackedEncoderRunner(EncoderRunner):
         gelu = getattr(self.model.config, "hidden_act", None) == "gelu"  # exact GELU
         # Under int8 the first layer's feed-forward output stays float32 (FLOAT32_PRODUCTS).
         exact = linear_kind(self.device, torch.float32)[0] if self.linears == "int8" else None
-        float32_down = {
-            int(name.split(".")[0]) for name in FLOAT32_PRODUCTS if name.endswith(".output.dense")
-        }
         self._layers = [
-            _Layer(layer, mm_dtype, self.linears, gelu, exact if i in float32_down else None)
+            _Layer(
+                layer,
+                mm_dtype,
+                self.linears,
+                gelu,
+                exact if f"{i}.output.dense" in FLOAT32_PRODUCTS else None,
+            )
             for i, layer in enumerate(self.model.encoder.layer)
         ]
         self._mm_dtype = mm_dtype
