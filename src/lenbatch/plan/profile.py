@@ -22,8 +22,6 @@ squares on bytes.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import itertools
 import math
@@ -40,7 +38,7 @@ from lenbatch.core.clock import Clock
 from lenbatch.core.collate import Collated, collate
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.runners.base import EmbeddingRunner
-from lenbatch.runners.memory import current_rss
+from lenbatch.runners.memory import current_rss, release_freed_memory
 
 __all__ = [
     "CudaMemoryProbe",
@@ -130,12 +128,6 @@ class CudaMemoryProbe:
         return result, float(max(0, torch.cuda.max_memory_allocated(self.device) - base))
 
 
-def _malloc_trim() -> None:
-    """Ask glibc to hand freed heap memory back to the OS (no-op elsewhere)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 class RssMemoryProbe:
     """Resident set sampled by a thread during the call, above the resident set before it."""
 
@@ -147,7 +139,7 @@ class RssMemoryProbe:
 
     def measure(self, call: Callable[[], T]) -> tuple[T, float]:
         """Run `call` while sampling; the last sample is taken before the result is released."""
-        _malloc_trim()
+        release_freed_memory()
         base = self.read()
         peak = base
         done = threading.Event()
