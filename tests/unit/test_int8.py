@@ -76,6 +76,7 @@ def test_scale_rows_applies_scale_bias_and_exact_gelu() -> None:
     assert ops is not None
     gen = torch.Generator().manual_seed(1)
     y = torch.randn(50, 300, generator=gen) * 5
+    y[:, :2] = torch.tensor([120.0, -120.0])  # past erf's cap (12 to 132 after scaling)
     s = torch.rand(50, generator=gen) + 0.1
     b = torch.randn(300, generator=gen)
     got = y.clone()

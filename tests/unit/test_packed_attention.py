@@ -37,6 +37,8 @@ AMX = "amx_bf16" in cpu_flags()
 
 
 @pytest.mark.parametrize("dim", [32, 64, 128])
+# 3, 4 and 6 heads: the AVX2 loop lays out 4, 2 or 1 heads at a time, by which divides them
+@pytest.mark.parametrize("heads", [3, 4, 6])
 @pytest.mark.parametrize(
     ("dtype", "amx"),
     [
@@ -46,11 +48,10 @@ AMX = "amx_bf16" in cpu_flags()
     ],
     ids=["float32", "bfloat16-avx512", "bfloat16-amx-where-present"],
 )
-def test_equals_sdpa_per_sequence(dim: int, dtype: torch.dtype, amx: bool) -> None:
+def test_equals_sdpa_per_sequence(dim: int, heads: int, dtype: torch.dtype, amx: bool) -> None:
     """bfloat16 runs on the AMX tiles where the CPU has them (`amx`), else on AVX-512."""
     op = da.decode_attention_op()
     assert op is not None
-    heads = 4
     # lengths around the 16-key blocks and the query blocks, one token, a long one
     lengths = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 100, 257]
     gen = torch.Generator().manual_seed(dim)

@@ -167,10 +167,12 @@ def decode_attention_op() -> Any | None:
             log.info("C++ ops off, attention by torch SDPA (%s)", why)
         else:
             amx = op.has_amx() and amx_allowed()
+            # Only an AVX-512 build holds the bfloat16 ops; an AVX2 one runs float32 only.
+            isa = "AVX-512" if hasattr(op, "bf16_linear") else "AVX2, float32"
             log.info(
-                "C++ ops (AVX-512, built for this CPU): decode attention over real columns, "
+                "C++ ops (%s, built for this CPU): decode attention over real columns, "
                 "packed encoder attention%s, fused Llama passes",
-                " (bfloat16 on AMX tiles)" if amx else "",
-            )
+                isa, " (bfloat16 on AMX tiles)" if amx else "",
+            )  # fmt: skip
         _loaded["op"] = op
         return op
