@@ -535,7 +535,7 @@ def measure_pack(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether oneDNN-prepacked products beat `F.linear` on this processor for weights of
     `shape` in `dtype` (streamed from memory), summed over 1, 8 and 32 rows (False where
     packing is unavailable)."""
-    kind, why = linear_kind(torch.device("cpu"), dtype)
+    kind, why = linear_kind(torch.device("cpu"), dtype, timed=False)
     if kind != "prepacked":
         log.info("oneDNN prepacking unavailable (%s): dense F.linear", why)
         return False
