@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from lenbatch.runners import int8
 from lenbatch.runners.int8 import ACT_LEVELS, WEIGHT_LEVELS, Int8Linear, int8_kind
+from lenbatch.runners.linears import fused_ops
 from tests.helpers import needs_op
 
 
@@ -34,7 +35,7 @@ def test_int8_linear_tracks_float32_in_every_row(
     """Every row, from 1e-3 to 1e2 in magnitude, within 3 % of its own largest output: the
     activations are scaled per row (a per-tensor scale would flatten the small rows to
     zero); the bias and GELU come after the scale."""
-    if fused and int8._fused_ops() is None:
+    if fused and fused_ops() is None:
         pytest.skip("lenbatch's C++ ops are not built on this CPU")
     w, b, x = _data()
     lin = Int8Linear(w, b, activation)  # type: ignore[arg-type]
@@ -55,7 +56,7 @@ def test_int8_linear_tracks_float32_in_every_row(
 def test_quantize_rows_matches_its_torch_form() -> None:
     """The C++ pass gives torch's levels and scales: a zero row has scale 1 and sits at the
     zero point; each row's largest magnitude reaches the outermost level."""
-    ops = int8._fused_ops()
+    ops = fused_ops()
     assert ops is not None
     _, _, x = _data()
     x[3] = 0.0
@@ -72,7 +73,7 @@ def test_quantize_rows_matches_its_torch_form() -> None:
 @needs_op
 def test_scale_rows_applies_scale_bias_and_exact_gelu() -> None:
     """`scale_rows` is `gelu(y * s + b)` with torch's exact GELU, to float32 rounding."""
-    ops = int8._fused_ops()
+    ops = fused_ops()
     assert ops is not None
     gen = torch.Generator().manual_seed(1)
     y = torch.randn(50, 300, generator=gen) * 5

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from lenbatch.runners.linears import fused_ops
 
 __all__ = [
     "ACT_LEVELS",
@@ -97,13 +99,6 @@ def int8_kind() -> tuple[bool, str]:
     return True, "oneDNN int8 products, weights per channel, activations per token"
 
 
-def _fused_ops() -> Any | None:
-    from lenbatch.runners.decode_attention import decode_attention_op
-
-    op = decode_attention_op()
-    return op if op is not None and hasattr(op, "quantize_rows") else None
-
-
 class Int8Linear:
     """`act(x @ weight.T + bias)` with int8 weights and per-row int8 activations (module
     docstring); float32 in, float32 out. Same call as `runners.linears.Linear`."""
@@ -125,7 +120,7 @@ class Int8Linear:
         self.zeros = torch.zeros(self.out_features, dtype=torch.long)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.activation = activation
-        self.ops = _fused_ops()
+        self.ops = fused_ops()
 
     @property
     def nbytes(self) -> int:

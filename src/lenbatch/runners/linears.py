@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Linear", "linear_kind", "rounded_tokens"]
+__all__ = ["Linear", "fused_ops", "linear_kind", "rounded_tokens"]
 
 log = logging.getLogger("lenbatch.runner")
 
@@ -171,7 +171,7 @@ class Linear:
             plain: torch.Tensor = _pointwise(x, self.weight, self.bias, "none", [], "")
             return plain
         if self.activation == "gelu" and x.dim() == 2 and self.dtype == torch.float32:
-            ops = _fused_ops()
+            ops = fused_ops()
             if ops is not None:  # bias and exact GELU in one pass over the product
                 y = torch.mm(x, self.weight.t())
                 ops.scale_rows(y, _ones(y.shape[0]), self.bias, True)
@@ -180,12 +180,13 @@ class Linear:
         return F.gelu(out) if self.activation == "gelu" else out
 
 
-def _fused_ops() -> Any | None:
-    """lenbatch's C++ ops where built with `scale_rows` (`runners.decode_attention`), else None."""
+def fused_ops() -> Any | None:
+    """lenbatch's C++ ops where built with their row passes (`quantize_rows`, `scale_rows`;
+    `runners.decode_attention`), else None."""
     from lenbatch.runners.decode_attention import decode_attention_op
 
     op = decode_attention_op()
-    return op if op is not None and hasattr(op, "scale_rows") else None
+    return op if op is not None and hasattr(op, "quantize_rows") else None
 
 
 @cache
