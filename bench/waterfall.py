@@ -34,6 +34,11 @@ CPU time (`wall/cpu` above 1 is time the forward waited: the GIL or the other th
 shared core); the server steps the server's threads and the client's CPU; with `--py-spy`, a
 py-spy profile of the server during the `server` step (its top functions, if py-spy is
 installed). The report carries the command, the processor key and the load average.
+
+`--quantize int8` runs every step in int8 as `serve --quantize int8` does: `gemm` times
+lenbatch's int8 product (`Int8Linear`, its activation and output passes included), `eager`
+Hugging Face's forward with its linears replaced by those, the runners and the server with
+`quantization int8`.
 """
 
 from __future__ import annotations
@@ -238,8 +243,10 @@ class Timed:
 # ------------------------------------------------------------------ the in-process steps
 
 
-def step_gemm(batches_tokens: list[int], runner: Any, workers: int) -> Row:
-    """The linear layers' matrix products alone, on each batch's packed tokens."""
+def step_gemm(batches_tokens: list[int], runner: Any, workers: int, quantize: str) -> Row:
+    """The linear layers' matrix products alone, on each batch's packed tokens: `F.linear` in
+    the runner's dtype, or with `quantize` int8 the runner's int8 product (`Int8Linear`:
+    activation quantization, oneDNN's product, scale and bias; GELU on the feed-forward up)."""
     import torch
     import torch.nn.functional as F
 
@@ -248,19 +255,30 @@ def step_gemm(batches_tokens: list[int], runner: Any, workers: int) -> Row:
     dtype = runner.precision.dtype
     shapes = [(3 * h, h), (h, h), (inter, h), (h, inter)]
     weights = [(torch.randn(o, i, dtype=dtype), torch.randn(o, dtype=dtype)) for o, i in shapes]
+    products: list[Callable[[Any], Any]] = [
+        lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights
+    ]
+    if quantize == "int8":
+        from lenbatch.runners.int8 import Int8Linear
+
+        products = [
+            Int8Linear(w, b, "gelu" if o == inter else "none")
+            for (w, b), (o, _) in zip(weights, shapes, strict=True)
+        ]
 
     @torch.inference_mode()
     def work(tokens: int) -> None:
         x_h = torch.randn(tokens, h, dtype=dtype)
         x_i = torch.randn(tokens, inter, dtype=dtype)
         for _ in range(layers):
-            for (w, b), (_, i) in zip(weights, shapes, strict=True):
-                F.linear(x_i if i == inter else x_h, w, b)
+            for product, (_, i) in zip(products, shapes, strict=True):
+                product(x_i if i == inter else x_h)
 
     wall, delta, tids = run_pool(work, batches_tokens, workers)
     flops = sum(2 * t * sum(o * i for o, i in shapes) * layers for t in batches_tokens)
     row = Row("gemm", sum(batches_tokens), wall, split_cpu(delta, tids))
-    row.notes.append(f"{flops / wall / 1e9:.0f} GFLOP/s in {runner.precision.name}")
+    kind = "GOP/s in int8" if quantize == "int8" else f"GFLOP/s in {runner.precision.name}"
+    row.notes.append(f"{flops / wall / 1e9:.0f} {kind}")
     return row
 
 
@@ -430,7 +448,7 @@ def step_servers(
     plan = traffic.plan
     tokens = int(plan.lengths.sum())
     argv = (sys.executable, *LENBATCH_CLI, "serve", "--config", args.config,
-            "--log-level", "warning", "--port", "{port}")  # fmt: skip
+            "--quantize", args.quantize, "--log-level", "warning", "--port", "{port}")  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="waterfall-")) / "server.log"
     server = ServerProcess(Target("lenbatch serve", "strategy", argv), free_port(), log_path)
     rows = []
@@ -571,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="server step: connections (enough to fill every batch slot)")  # fmt: skip
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S",
                    help="server step: py-spy the server for S seconds (0: off)")  # fmt: skip
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="every step's products in int8, as `serve --quantize int8`")  # fmt: skip
     p.add_argument("--conditions", default="", help="what else ran on the machine")
     p.add_argument("--out", type=Path, help="Markdown file to write")
     args = p.parse_args(argv)
@@ -598,15 +618,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     texts = _texts(traffic)
     rows: list[Row] = []
     bucket_lines: list[str] = []
-    packed = load_runner(m.name, execution="packed", dtype=m.dtype, torch_threads=threads)
+    packed = load_runner(m.name, execution="packed", dtype=m.dtype, torch_threads=threads,
+                         quantization=args.quantize)  # fmt: skip
     seqs = packed.tokenize(texts, True)
     lengths = [len(s) for s in seqs]
     batches = form_batches(lengths, batching)
     batch_tokens = [sum(lengths[i] for i in b) for b in batches]
     if "gemm" in steps:
-        rows.append(step_gemm(batch_tokens, packed, workers))
+        rows.append(step_gemm(batch_tokens, packed, workers, args.quantize))
     if steps & {"eager", "padded"}:
-        padded = load_runner(m.name, execution="padded", dtype=m.dtype, torch_threads=threads)
+        padded = load_runner(m.name, execution="padded", dtype=m.dtype, torch_threads=threads,
+                             quantization=args.quantize)  # fmt: skip
         if "eager" in steps:
             rows.append(step_eager(seqs, batches, padded, workers))
         if "padded" in steps:
@@ -629,7 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"Command: `{cmd}`  ",
         f"Processor: `{processor_key(threads=threads)}`; {workers} batches at once on "
-        f"{threads} torch thread(s) each; {m.dtype} ({packed.precision.name}); in-process "
+        f"{threads} torch thread(s) each; {m.dtype} ({packed.precision.name}), quantization "
+        f"{args.quantize}; in-process "
         f"steps on {allocator}, the server on its default allocator (`--allocator auto`)  ",
         f"Traffic: {args.trace}, {args.span:g} s from t={args.start:g} s: {len(texts)} requests, "
         f"{sum(lengths):,} tokens (mean {np.mean(lengths):.0f}), {len(batches)} batches "
