@@ -141,6 +141,34 @@ async def test_continuous_admits_at_most_max_running(llama_runner: Any, strategy
     assert max(seen) == 3
 
 
+async def test_a_new_running_batch_takes_its_rows_and_steps_at_once(llama_runner: Any) -> None:
+    """The running batch's buffers hold the running cap's rows and the answers' columns from
+    its first step, so neither joining rows nor decode steps reallocate them (each
+    reallocation copies the whole cache between two steps of every stream)."""
+    batching = BatchingConfig(strategy="fifo", max_batch=2, max_wait_ms=0)
+    generation = GenerationConfig(mode=DecodeMode.CONTINUOUS, max_running=20)
+    engine = GenerationEngine(llama_runner, batching, generation=generation)
+    seen: list[tuple[int, int, int]] = []  # (buffer, row capacity, rows) after each join
+    decoder = engine.decoder
+    real_join = decoder._join
+
+    def join(*args: Any) -> Any:
+        out = real_join(*args)
+        kv = decoder.running
+        assert kv is not None
+        buf = kv.buffers()[0][0]
+        seen.append((buf.data_ptr(), int(buf.shape[0]), kv.rows))
+        return out
+
+    decoder._join = join  # type: ignore[method-assign]
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    out = await _run(engine, llama_runner.tokenize(PROMPTS * 2), p)
+    assert all(len(o) for o in out)
+    assert seen and seen[0][1] >= 20
+    assert seen[0][2] <= 2 and max(rows for _, _, rows in seen) > 2  # rows joined it
+    assert len({buf for buf, _, _ in seen}) == 1, "the running batch's buffers were reallocated"
+
+
 @pytest.mark.parametrize("mode", [DecodeMode.LOCKSTEP, DecodeMode.CONTINUOUS])
 async def test_poison_prompt_fails_alone(
     llama_runner: Any, mode: DecodeMode, caplog: pytest.LogCaptureFixture

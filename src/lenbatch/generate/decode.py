@@ -32,6 +32,9 @@ from lenbatch.serving.messages import Delta
 
 __all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next", "fill_from_tail"]
 
+# Decode steps a new running batch's buffers take room for at once (columns after its window).
+_RESERVED_STEPS = 256
+
 
 @dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
 class PrefillJob:
@@ -89,8 +92,12 @@ class Decoder:
         clock: Callable[[], float],
         release_on_merge: bool,
         shapes: FixedShapes | None = None,
+        max_rows: int = 0,
     ) -> None:
         self.runner = runner
+        # The most rows the running batch may come to hold (the engine's running cap; 0:
+        # unknown): a new running batch's buffers take that many rows at once.
+        self.max_rows = max_rows
         # Fixed shapes (and compiled graphs) for whole prefills and decode steps that fit them.
         self.shapes = shapes
         self.now = clock
@@ -288,6 +295,14 @@ class Decoder:
         # (leading all-padding columns, e.g. of a bucket's pad_to, are left out).
         if self.running is None or self.running.rows == 0:
             self.running = KVBatch(job.cache, mask, next_pos, last, self.masked_reads)
+            if self.shapes is None:  # fixed shapes size their buffers by shape class
+                # The first job's buffers, sized for its own rows, become the running batch's.
+                # Grown to the running cap and to the longest answer's columns now (one copy
+                # of a small cache): each doubling later would copy the whole cache at a step
+                # boundary. Rows not yet claimed stay untouched memory; answers longer than
+                # `_RESERVED_STEPS` find room by moves and doublings as before.
+                steps = min(max(g.params.max_tokens for g in job.gens), _RESERVED_STEPS)
+                self.running.reserve(max(self.max_rows, self.running.rows), steps)
         else:
             self.running.join(job.cache, mask, next_pos, last)
         self.rows.extend(job.gens)

@@ -148,7 +148,9 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 self.generation.compile_max_width,
                 compile=self.generation.compile,
             )
-        self.decoder = Decoder(runner, self.clock.now, self.policy.release_on_merge, shapes)
+        self.decoder = Decoder(
+            runner, self.clock.now, self.policy.release_on_merge, shapes, self._max_rows()
+        )
         self._unit_s = 0.0  # wall seconds of the last unit (the admission horizon)
 
     def _max_rows(self) -> int:
