@@ -300,7 +300,7 @@ class Decoder:
                 # Grown to the running cap and to the longest answer's columns now (one copy
                 # of a small cache): each doubling later would copy the whole cache at a step
                 # boundary. Rows not yet claimed stay untouched memory; answers longer than
-                # `_RESERVED_STEPS` find room by moves and doublings as before.
+                # `_RESERVED_STEPS` find room by doubling as before.
                 steps = min(max(g.params.max_tokens for g in job.gens), _RESERVED_STEPS)
                 self.running.reserve(max(self.max_rows, self.running.rows), steps)
         else:

@@ -5,10 +5,8 @@ masked columns. That one invariant makes the operations continuous batching need
 exact, because all rows write their next token to the same column:
 
 * **append** one decode step: the model writes one column into each layer's buffer, in place
-  (`WindowLayer.update`); nothing is concatenated or reallocated per step. When the columns
-  after the window run out, the window moves back within the buffer where there is room
-  before it (the running batch drifts right as it decodes and trims), else the buffer
-  doubles, so that cost is amortised;
+  (`WindowLayer.update`); nothing is concatenated or reallocated per step, except when the
+  buffer's headroom runs out (it then doubles, so that cost is amortised);
 * **select** rows (drop finished or cancelled sequences): compact the kept rows to the front of
   the buffer, then move the window's start past columns that are padding in every remaining row
   (a pointer move), so finished sequences stop costing attention compute;
@@ -127,22 +125,13 @@ class WindowLayer(DynamicLayer):
         self.reslice()
 
     def reserve(self, rows: int, left: int, right: int) -> None:
-        """Make room for `rows` rows, `left` columns before the window and `right` after it.
-        Where the buffer has the columns but on the other side of the window, the window
-        moves within it (`_move`); else the buffer is reallocated with doubled headroom (one
-        copy)."""
+        """Make room for `rows` rows, `left` columns before the window and `right` after it;
+        when the buffer is too small it is reallocated with doubled headroom (one copy)."""
         assert self.kbuf is not None and self.vbuf is not None
         cap_rows, cap_cols = self.kbuf.shape[0], self.kbuf.shape[2]
         if rows <= cap_rows and left <= self.start and self.end + right <= cap_cols:
             return
         width = self.width
-        free = cap_cols - (left + width + right)
-        if rows <= cap_rows and free >= max(width // 2, _SPARE_COLS):
-            # Centred in what is free, so the next steps (right) and the next wider join
-            # (left) both find room. Only where that room is worth a copy of the window:
-            # else the buffer doubles, or a nearly full buffer would move once per step.
-            self._move(left + free // 2)
-            return
         new_rows = max(rows, cap_rows if rows <= cap_rows else 2 * cap_rows)
         new_left = max(left, _SPARE_COLS) if left > self.start else self.start
         room = cap_cols - self.end
@@ -158,35 +147,6 @@ class WindowLayer(DynamicLayer):
             setattr(self, name, new)
         self.zeroed = False
         self.start, self.end = new_left, new_left + width
-        self.reslice()
-
-    def _move(self, start: int) -> None:
-        """Move the window to begin at buffer column `start`, within the buffers.
-
-        The running batch's window drifts right for as long as the batch never empties (each
-        decode step writes a column after it; trimming finished rows' padding moves its start
-        right), so a buffer sized once runs out on the right while its left lies unused. A
-        reallocation there copies every row's keys into fresh memory, which on this project's
-        AMD EPYC family 25 model 1 ran at ~1 GB/s (fresh memory): a 1-2 s stall of every stream
-        at 36 rows x 500 columns. A move copies the same window into memory already touched."""
-        assert self.kbuf is not None and self.vbuf is not None
-        width, shift = self.width, start - self.start
-        # Overlapping ranges are copied in blocks of `shift` columns, nearest the destination
-        # first, so no block overwrites columns still to be read; a copy out first (`clone`)
-        # would take the whole window's worth of fresh memory again.
-        step = abs(shift) if 0 < abs(shift) < width else width
-        blocks = list(range(0, width, step)) if step else []
-        if shift > 0:
-            blocks.reverse()
-        for buf in (self.kbuf, self.vbuf):
-            for c in blocks:
-                n = min(step, width - c)
-                src = buf[: self.rows, :, self.start + c : self.start + c + n]
-                buf[: self.rows, :, start + c : start + c + n] = src
-            if self.masked_reads:
-                buf[: self.rows, :, :start].zero_()  # read (masked) once the window grows left
-        self.zeroed = False
-        self.start, self.end = start, start + width
         self.reslice()
 
     def fit(self, rows_cap: int, cols_cap: int) -> None:
