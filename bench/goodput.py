@@ -35,7 +35,7 @@ import numpy as np
 
 from steps import ROOT, lenbatch
 
-__all__ = ["GoodputPlan", "goodput_table", "plan_from_args", "run_goodput"]
+__all__ = ["GoodputPlan", "goodput_table", "plan_from_args", "run_goodput", "write_table"]
 
 TRACE = ("azure-conv", "--length-scale", "0.1", "--max-length", "256")
 CONFIG = "configs/minilm-azure-conv.toml"
@@ -222,8 +222,14 @@ def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
     for rep in range(1, plan.repeats + 1):
         plan.rates_cmd(sweep, cost, rep).run(env)
         plan.bursts_cmd(plan.bursts_load * capacity, cost, rep).run(env)
+    write_table(plan)
+
+
+def write_table(plan: GoodputPlan, name: str = "summary.md") -> None:
+    """Write (and print) the table of the runs in `plan.out` into its file `name`."""
+    out = ROOT / plan.out
     text = goodput_table(out)
-    (out / "summary.md").write_text(text + "\n", encoding="utf-8")
+    (out / name).write_text(text + "\n", encoding="utf-8")
     print(text)
 
 

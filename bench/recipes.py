@@ -309,11 +309,21 @@ def adaptive_overload(args: argparse.Namespace) -> list[Step]:
     opt("--overload", "40", "trace-rate multiplier of the capacity run, far past saturation"),
     opt("--bursts-load", "0.5", "the bursts scenario's mean rate, as a multiple of capacity"),
     opt("--bursts-duration", "25", "seconds of the bursts scenario"),
+    lambda p: p.add_argument(
+        "--table-only",
+        metavar="NAME",
+        help="run nothing: rebuild the table from the runs already in --out, the predictions "
+        "by this tree's simulator, into the file NAME inside --out",
+    ),
     conditions,
 )
 def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
     """adaptive vs bucketed vs fifo at 0.2-3x measured capacity, live beside simulate (issue 24)."""
     plan = goodput.plan_from_args(args)
+    if args.table_only:
+        name = args.table_only
+        return [Action(f"table of {plan.out} into {name}",
+                       lambda env: goodput.write_table(plan, name))]  # fmt: skip
     return [Action(plan.describe(), lambda env: goodput.run_goodput(plan, env))]
 
 

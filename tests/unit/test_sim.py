@@ -173,3 +173,24 @@ def test_every_request_is_accounted_for_under_overload() -> None:
         assert counts[OUTCOME_REJECTED] == sum(run.rejections.values())
         assert np.isnan(run.latencies[run.outcomes != OUTCOME_OK]).all()
         assert (run.waits[run.outcomes == OUTCOME_OK] >= 0).all()
+
+
+def test_a_packed_cost_model_prices_a_batch_by_its_rows_real_lengths() -> None:
+    """Measured on a packed runner, a batch of 10 + 30 tokens costs 40 tokens (and 10^2 +
+    30^2 for the squared term), not two rows of 30 as a padded runner pays."""
+    t = trace([0.0, 0.001], [10, 30])
+    cost = CostModel(const=0.01, per_token=0.001, per_token_sq=1e-5, execution="packed")
+    run = simulate(t, cost, fifo(max_batch=2), max_length=64)
+    service = 0.01 + 40 * 0.001 + (10 * 10 + 30 * 30) * 1e-5
+    assert run.latencies == pytest.approx([0.001 + service, service], abs=EXACT)
+    same = CostModel(const=0.01, per_token=0.001, per_token_sq=1e-5)  # measured padded
+    padded = simulate(t, same, fifo(max_batch=2))
+    assert padded.latencies == pytest.approx([0.001 + 0.088, 0.088], abs=EXACT)
+
+
+def test_packed_seconds_carries_the_calibrated_scale_and_overhead() -> None:
+    cost = CostModel(const=0.01, per_row=0.002, per_token=0.001, batch_scale=2.0,
+                     batch_overhead_s=0.005, execution="packed")  # fmt: skip
+    assert cost.packed_seconds([10, 30]) == pytest.approx(2.0 * (0.01 + 0.004 + 0.04) + 0.005)
+    # rows of one length cost what the padded shape costs: the grid the model was fitted on
+    assert cost.packed_seconds([20, 20]) == pytest.approx(cost.batch_seconds(2, 20))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,21 @@ class CostModel:
         """`batch_seconds` for fractional shapes (the mean over batches of those mean sizes):
         the `core.costkey.BatchCost` protocol."""
         return self.batch_scale * self.latency(batch, padded_len) + self.batch_overhead_s
+
+    def packed_seconds(self, lengths: Sequence[int]) -> float:
+        """`batch_seconds` of a packed batch whose rows hold `lengths` real tokens: the
+        model's terms over the tokens it computes (`per_token` times their sum, `per_token_sq`
+        times the sum of their squares, what rows of one length each measured) rather than
+        over every row padded to the longest."""
+        tokens = sum(lengths)
+        squares = sum(n * n for n in lengths)
+        latency = (
+            self.const
+            + self.per_row * len(lengths)
+            + self.per_token * tokens
+            + self.per_token_sq * squares
+        )
+        return self.batch_scale * latency + self.batch_overhead_s
 
     def cost_key(self, model: str | None = None) -> CostKey:
         """What this cost model describes, as a `CostKey`; `model`: the served name (default:

@@ -2,7 +2,8 @@
 a virtual clock, with batch service times from a `CostModel`.
 
     trace ─► admit (model limit, Admission) ─► Queues ─► schedule() ─► wait for a runner slot
-          ─► run for cost.batch_seconds(B, L) x cost.slowdown(recent request rate)
+          ─► run for cost.batch_seconds(B, L) (packed: cost.packed_seconds(lengths))
+             x cost.slowdown(recent request rate)
           ─► answer (+ cost.request_overhead_s)
 
 What it mirrors from `lenbatch.embed.engine.Engine`, rule by rule, so predictions match live runs:
@@ -131,6 +132,10 @@ class _Replay:
         self.batching = batching
         self.max_length = max_length
         self.cost = cost
+        # A packed runner computes each row's real tokens only: its batches cost what their
+        # lengths cost (`CostModel.packed_seconds`), not rows x the longest, as a padded one
+        # does (what the live server's /stats and `lenbatch calibrate` count too).
+        self.packed = cost.execution == "packed"
         self.lanes = resolve_lanes(batching, max_length)
         cfg = self.cfg = self.lanes.cfg
         n = len(trace)
@@ -330,7 +335,10 @@ class _Replay:
         self.runners_free -= 1
         size = len(reqs)
         cost = self.cost
-        dt = cost.batch_seconds(size, pad)
+        if self.packed:
+            dt = cost.packed_seconds([r.length for r in reqs])
+        else:
+            dt = cost.batch_seconds(size, pad)
         if cost.cpu_per_request_s > 0:  # the last second's request rate slows the model
             arr = self.arr_list
             recent = bisect_right(arr, now) - bisect_left(arr, now - 1.0)
