@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,13 @@ from lenbatch.config import AdaptiveConfig, GenerationConfig
 from lenbatch.core.costfit import CostCoefficients
 from lenbatch.core.errors import Overloaded, Unavailable
 from lenbatch.core.request import Request
-from lenbatch.generate.adaptive import AdaptiveGenPolicy, GenCosts, RunningRow, door_state
+from lenbatch.generate.adaptive import (
+    AdaptiveGenPolicy,
+    GenCosts,
+    RunningRow,
+    delivered,
+    door_state,
+)
 
 # decode: 30 ms + 10 us per row x cache column; prefill: 10 ms + 1 ms per prompt token
 DECODE = CostCoefficients(0.03, 1e-5, 0.0)
@@ -92,6 +99,37 @@ def test_chunk_fits_beside_a_decode_step_and_a_lone_prompt_runs_whole() -> None:
     assert unit is not None and unit.kind == "prefill" and unit.cols == cols
     unit = p.next_unit(_Core(jobs=deque([job]), running_rows=20), "prefill")  # type: ignore[arg-type]
     assert unit is not None and unit.kind == "decode"
+
+
+def test_rows_that_decoded_ahead_of_the_objective_let_a_bigger_chunk_run() -> None:
+    """Rows that got 10 tokens in 0.5 s (50 ms a gap against 150) can take a unit of
+    10 x 0.15 - 0.5 = 1.0 s and keep their mean within the objective even were the next token
+    their last: the chunk fills that instead of one gap. The row with the least slack rules;
+    a row with no token yet leaves the one-gap budget."""
+    p = _policy()
+    one_gap = p.chunk_cols(1, 2)
+    p.observe_rows(10.0, [(10, 9.5), (40, 5.0)])  # slack 1.0 s and 6.0 - 5.0 = 1.0 s
+    assert p.unit_allowance == pytest.approx(1.0)
+    cols = p.chunk_cols(1, 2)
+    assert p.costs.prefill_s(1, cols) + p.costs.decode_s(2) <= 1.0 + 1e-9
+    assert p.costs.prefill_s(1, cols + 2) + p.costs.decode_s(2) > 1.0
+    assert cols > 5 * one_gap
+    p.observe_rows(10.0, [(10, 9.5), (1, 9.99)])  # a row that just began: one gap
+    assert p.chunk_cols(1, 2) == one_gap
+    p.observe_rows(10.0, [(10, 9.5), (0, float("nan"))])
+    assert p.chunk_cols(1, 2) == one_gap
+    p.observe_rows(10.0, [(3, 8.0)])  # behind the objective: never below one gap
+    assert p.unit_allowance == 0.0 and p.chunk_cols(1, 2) == one_gap
+
+
+def test_delivered_reads_tokens_and_first_token_time_of_running_rows() -> None:
+    def gen(times: list[float], done: bool = False) -> Any:
+        return SimpleNamespace(done=done, timings=SimpleNamespace(token_times=times))
+
+    got = delivered([gen([1.0, 1.1, 1.2]), gen([]), gen([0.5], done=True)])
+    assert got[0] == (3, 1.0)
+    assert got[1][0] == 0 and got[1][1] != got[1][1]  # NaN before the first token
+    assert len(got) == 2
 
 
 def test_with_a_mixing_runner_the_priced_chunk_rides_with_the_decode_step() -> None:

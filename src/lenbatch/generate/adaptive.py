@@ -12,7 +12,11 @@ and decides each step:
   that may run between two steps, fits the inter-token SLO (never above `max_running`);
 * **chunk** (`next_unit`): prefill columns sized so that chunk + decode step fit the same budget
   while rows are decoding, the whole prompt when nothing is; where the runner can, the chunk
-  runs in one forward with the decode step (a mixed unit, as in `continuous`);
+  runs in one forward with the decode step (a mixed unit, as in `continuous`). The objective is
+  each stream's *mean* inter-token latency, so the budget is the larger of one gap's and the
+  stall every running row can still take with its mean kept within the objective even were its
+  next token its last (`observe_rows`: rows that decoded faster than the objective have earned
+  that time; a long prompt then reaches its first token in fewer, larger chunks);
 * **admission at the door** (`refusal`): the request's predicted first-token time (prefill work
   ahead of it at its priority or above, interleaved with decode steps, plus the wait for a row
   when the batch is full) against its TTFT deadline; refused with 429/503 and `Retry-After` only
@@ -49,6 +53,7 @@ __all__ = [
     "GenCosts",
     "GenSLO",
     "RunningRow",
+    "delivered",
 ]
 
 # Generic priors for a ~100M-parameter Llama in bf16 on two CPU cores (SmolLM2-135M's order of
@@ -238,6 +243,7 @@ class AdaptiveGenPolicy:
         # a row (`start_in`, `running_s`), the prefill ahead, the prefill cost model then.
         self.log = DecisionLog()
         self._ahead: tuple[float, int, int] = (0.0, 0, 0)
+        self.unit_allowance = 0.0  # seconds the next unit may take (`observe_rows`)
         self._queued_seen = 0
 
     # ------------------------------------------------------------------ DecodePolicy
@@ -259,10 +265,20 @@ class AdaptiveGenPolicy:
         """Free rows under `row_cap`, counting rows already waiting for prefill."""
         return max(0, self.row_cap() - decoder.running_rows - decoder.pending_rows)
 
+    def observe_rows(self, now: float, rows: Iterable[tuple[int, float]]) -> None:
+        """The running rows as of `now`: each one's tokens delivered and its first token's
+        time. The next unit may take as long as every row can stall with its mean inter-token
+        latency still within the objective even were its next token its last:
+        `itl x tokens - (now - first)` for each (a row with no token yet counts as none)."""
+        itl = self.slo.itl_s
+        slack = [itl * n - (now - first) if n > 0 else 0.0 for n, first in rows]
+        self.unit_allowance = max(0.0, min(slack, default=0.0))
+
     def chunk_cols(self, rows: int, running: int) -> int:
-        """Prefill columns for a job of `rows` rows while `running` rows decode: what fits the
-        inter-token SLO beside one decode step (at least `MIN_CHUNK`)."""
-        budget = self.slo.itl_s - self.costs.decode_s(running)
+        """Prefill columns for a job of `rows` rows while `running` rows decode: what fits
+        beside one decode step in the inter-token SLO, or in the stall the running rows can
+        take (`observe_rows`), whichever is longer (at least `MIN_CHUNK`)."""
+        budget = max(self.slo.itl_s, self.unit_allowance) - self.costs.decode_s(running)
         co = self.costs.prefill.coefficients
         d = self.costs.drift
         per_col = d * (co.b * rows)  # c (quadratic) is ignored: small at chunk sizes
@@ -440,6 +456,7 @@ class AdaptiveGenPolicy:
             "ttft_slo_ms": [round(s * 1000, 1) for s in self.slo.ttft_s],
             "itl_slo_ms": round(self.slo.itl_s * 1000, 1),
             "row_cap": self.row_cap(),
+            "unit_allowance_ms": round(self.unit_allowance * 1000, 1),
             "refused": self.refused,
             "shed_from_queue": self.shed,
             "costs": self.costs.describe(),
@@ -480,6 +497,18 @@ def door_state(rows: Iterable[_Gen], jobs: Iterable[_Job]) -> tuple[list[Running
         pending_tokens += job.rows * job.remaining
         pending_rows += job.rows
     return running, pending_tokens, pending_rows
+
+
+def delivered(rows: Iterable[Any]) -> list[tuple[int, float]]:
+    """What `observe_rows` reads from the decoder's running generations: each one's tokens
+    delivered so far and when its first one was (NaN before it)."""
+    out = []
+    for g in rows:
+        if g.done:
+            continue
+        times = g.timings.token_times
+        out.append((len(times), times[0] if times else math.nan))
+    return out
 
 
 def queued_requests(lanes: Iterable[Iterable[Request]]) -> list[Request]:

@@ -49,6 +49,7 @@ from lenbatch.core.scheduler import schedule
 from lenbatch.generate.adaptive import (
     AdaptiveGenPolicy,
     GenCosts,
+    delivered,
     door_state,
     queued_requests,
 )
@@ -384,6 +385,8 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 if not (self._several_jobs and decision.batches and room > 0 and self.queues.size):
                     break
             self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
+        if self.adaptive is not None:  # the stall each running row can take (chunk sizing)
+            self.adaptive.observe_rows(self.clock.now(), delivered(self.decoder.rows))
         return Scheduled(self.policy.next_unit(self.decoder, last), wake_at)
 
     @property

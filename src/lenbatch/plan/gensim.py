@@ -144,6 +144,8 @@ def simulate_generation(
             for i in take:
                 del waiting[i]
             core.jobs.append(_Job(take, max(requests[i].prompt for i in take)))
+        if adaptive is not None:  # as the engine does before each unit
+            adaptive.observe_rows(now, [(row.after + 1, row.first) for row in core.rows])
         unit = policy.next_unit(core, last)  # type: ignore[arg-type]
         if unit is None:
             if nxt >= len(requests):
