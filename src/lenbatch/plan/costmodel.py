@@ -75,11 +75,13 @@ class CostModel:
         """Predicted seconds to run `batch` rows padded to `padded_len` tokens (fractional
         values give the mean over batches of those mean sizes)."""
         bl = batch * padded_len
+        return self._terms(batch, bl, bl * padded_len)
+
+    def _terms(self, rows: float, tokens: float, squares: float) -> float:
+        """The latency fit over `rows` rows holding `tokens` tokens whose squares sum to
+        `squares` (rows of one length: B, B*L, B*L^2)."""
         return (
-            self.const
-            + self.per_row * batch
-            + self.per_token * bl
-            + self.per_token_sq * bl * padded_len
+            self.const + self.per_row * rows + self.per_token * tokens + self.per_token_sq * squares
         )
 
     def batch_seconds(self, batch: int, padded_len: int) -> float:
@@ -97,14 +99,7 @@ class CostModel:
         model's terms over the tokens it computes (`per_token` times their sum, `per_token_sq`
         times the sum of their squares, what rows of one length each measured) rather than
         over every row padded to the longest."""
-        tokens = sum(lengths)
-        squares = sum(n * n for n in lengths)
-        latency = (
-            self.const
-            + self.per_row * len(lengths)
-            + self.per_token * tokens
-            + self.per_token_sq * squares
-        )
+        latency = self._terms(len(lengths), sum(lengths), sum(n * n for n in lengths))
         return self.batch_scale * latency + self.batch_overhead_s
 
     def cost_key(self, model: str | None = None) -> CostKey:
