@@ -103,6 +103,36 @@ def test_adaptive_serves_and_streams(served: _Served) -> None:
     assert stats["adaptive"]["refused"] == 0
 
 
+def test_the_engine_tells_the_policy_each_running_rows_progress(
+    served: _Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before each unit the engine gives adaptive every running row's tokens delivered and
+    first-token time (`observe_rows`, which sizes the next prefill chunk): a stream of 12
+    tokens is seen from 1 to at least 10 tokens delivered, its first token never after the
+    call, and the slack it earns decoding faster than the 40 ms objective becomes the unit
+    allowance that `/stats` shows."""
+    engine = served.engine
+    _settle(engine)
+    policy = engine.adaptive
+    assert policy is not None
+    seen: list[tuple[float, list[tuple[int, float]], float]] = []
+    real = policy.observe_rows
+
+    def spy(now: float, rows: Any) -> None:
+        rows = list(rows)
+        real(now, rows)
+        seen.append((now, rows, policy.unit_allowance))
+
+    monkeypatch.setattr(policy, "observe_rows", spy)
+    status, _, _, done = _stream(served.url, PROMPTS[0], 12)
+    assert status == 200 and done
+    delivered = [n for _, rows, _ in seen for n, _ in rows]
+    assert 1 in delivered and max(delivered) >= 10
+    assert all(first <= now for now, rows, _ in seen for n, first in rows if n > 0)
+    assert max(allowance for _, _, allowance in seen) > 0
+    assert "unit_allowance_ms" in httpx.get(served.url + "/stats", timeout=10).json()["adaptive"]
+
+
 def test_overload_burst_is_shed_with_retry_after_and_nothing_is_lost(served: _Served) -> None:
     """A burst of 64 streams at once, far past what the objectives allow: some are refused
     429 with Retry-After, the rest stream to [DONE]; every admitted request ends once."""
