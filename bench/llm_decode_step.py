@@ -35,6 +35,7 @@ timing wrapper around each call; the rest of the step is Python and torch's smal
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -72,6 +73,13 @@ CONFIGS = {
     "lean-bf16-int4": {"dtype": "bfloat16", "quantization": "int4"},
     "lean-fp32-int8": {"dtype": "float32", "quantization": "int8"},
     "lean-fp32-int4": {"dtype": "float32", "quantization": "int4"},
+    # the same with torch's attention for whole prompts (`LENBATCH_PROMPT_ATTENTION=sdpa`): the
+    # AVX2 build's causal prompt loop's A/B
+    "lean-fp32-int4-sdpa": {
+        "dtype": "float32",
+        "quantization": "int4",
+        "env": {"LENBATCH_PROMPT_ATTENTION": "sdpa"},
+    },
 }
 
 
@@ -133,7 +141,17 @@ def main() -> int:
     for name in names:
         cfg = dict(CONFIGS[name])
         gemv_rows = cfg.pop("gemv_rows", None)
-        runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
+        env: dict[str, str] = cfg.pop("env", {})  # type: ignore[assignment]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read once, as the runner is built
+        try:
+            runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
             plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=(), gated_rows=0)
             runner.lean = LeanLlama(

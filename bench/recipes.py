@@ -540,6 +540,12 @@ script_recipe(
     "--rounds", "4",
 )  # fmt: skip
 script_recipe(
+    "prompt-attention", "prompt_attention.py",
+    "A causal LM's whole-prompt attention, the AVX2 build's loop vs torch's SDPA, float32, "
+    "alternated (zen3-model1/prompt-attention-avx2.md).",
+    "--rounds", "7",
+)  # fmt: skip
+script_recipe(
     "bursts-drain", "bursts_drain.py",
     "adaptive's predicted drain of each burst's queue against the batch log's, offline "
     "(adaptive-goodput/bursts-drain.md).",

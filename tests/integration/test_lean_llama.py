@@ -271,6 +271,36 @@ def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: 
         assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
 
 
+@needs_op
+def test_float32_prompts_attend_in_the_avx2_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU without AVX-512, a float32 prompt's causal attention runs the AVX2 build's loop
+    (`prompt_op`; `LENBATCH_PROMPT_ATTENTION=sdpa` keeps torch's): the same logits as torch's,
+    and greedy decoding still equals `generate()` token for token. A tiny Llama with heads of
+    32 (the loop's smallest) on half as many key/value heads."""
+    from lenbatch.runners.decode_attention import decode_attention_op
+    from lenbatch.runners.tiny import build_tiny_model
+
+    op = decode_attention_op()
+    assert op is not None
+    folder = build_tiny_model(tmp_path / "llama-d32", "llama", hidden=128, heads=4)
+    r = CausalLMRunner(folder, pack=False)
+    assert r.lean is not None and r.lean.head_dim == 32
+    assert r.lean.prompt_op == bool(op.causal_float32())
+    assert ("AVX2 loop" in r.lean.describe()) == r.lean.prompt_op
+    monkeypatch.setenv("LENBATCH_PROMPT_ATTENTION", "sdpa")
+    torch_attention = CausalLMRunner(folder, pack=False)
+    assert torch_attention.lean is not None and not torch_attention.lean.prompt_op
+    ids = torch.tensor([list(range(3, 60))])
+    pos = torch.arange(ids.shape[1])[None]
+    got = r.forward(ids, torch.ones_like(ids), pos, r.new_cache())
+    want = torch_attention.forward(ids, torch.ones_like(ids), pos, torch_attention.new_cache())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for prompt in r.tokenize(PROMPTS):
+        assert r.greedy_alone(prompt, MAX_NEW) == reference_greedy(r, prompt, MAX_NEW)
+
+
 @pytest.mark.slow
 def test_quantized_tiny_llama_stays_close(tiny_llama_dir: Path) -> None:
     """int8 and int4 (forced on at every row count) keep the tiny Llama's logits close: cosine

@@ -17,8 +17,9 @@ from lenbatch.runners import decode_attention as da
 from lenbatch.runners.hardware import cpu_flags
 from tests.helpers import needs_avx512, needs_op
 
-# float32 runs in every build (AVX-512, or AVX2 + FMA); bfloat16, the tiles and causal or
-# grouped heads need AVX-512 (and AMX where marked).
+# float32 runs in every build (AVX-512, or AVX2 + FMA); bfloat16 and the tiles need AVX-512
+# (and AMX where marked); causal or grouped heads run on the tiles and, in float32, in an AVX2
+# build.
 
 
 def _reference(qkv: torch.Tensor, lengths: list[int], heads: int) -> torch.Tensor:
@@ -110,6 +111,36 @@ def test_grouped_causal_prompts_on_tiles(heads: int, kv_heads: int, dim: int, ca
     torch.testing.assert_close(got.float(), torch.cat(want), atol=2e-2, rtol=1e-2)
 
 
+@needs_op
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_causal_float32_prompts_in_the_avx2_build(heads: int, kv_heads: int, dim: int) -> None:
+    """An AVX2 build (a CPU without AVX-512) runs a causal LM's float32 prompts too, with
+    grouped-query heads: equal to float32 SDPA with `is_causal` per prompt, at lengths around
+    its blocks of 8 queries and keys. Another build says it does not (`causal_float32`)."""
+    op = da.decode_attention_op()
+    assert op is not None
+    avx2_build = "avx512f" not in cpu_flags()
+    assert op.causal_float32() == avx2_build
+    if not avx2_build:
+        return  # checked above: an AVX-512 build refuses (test_refuses_what_it_cannot_compute)
+    lengths = [1, 2, 7, 8, 9, 15, 16, 17, 33, 64, 130, 401]
+    gen = torch.Generator().manual_seed(heads * dim)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = 2 * torch.randn(sum(lengths), width, generator=gen)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    got = op.packed_attention(qkv, offsets, heads, dim**-0.5, True, kv_heads, True)
+    want, start = [], 0
+    for n in lengths:
+        x = qkv[start : start + n]
+        q = x[:, : heads * dim].view(n, heads, dim).transpose(0, 1)
+        k = x[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
+        v = x[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        want.append(o.transpose(0, 1).reshape(n, heads * dim))
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.skipif(not AMX, reason="a prompt chunk's attention runs only on AMX tiles")
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_chunk_attention_over_cached_columns(heads: int, kv_heads: int, dim: int) -> None:
@@ -175,10 +206,16 @@ def test_refuses_what_it_cannot_compute() -> None:
         op.packed_attention(qkv.double(), torch.tensor([0, 10]), 2, 0.1)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         op.packed_attention(torch.randn(10, 7 * 32), torch.tensor([0, 10]), 3, 0.1, True, 2)
-    # float32 never runs causal or grouped heads; an AVX2 build no bfloat16 either
-    refused = r"runs only on AMX tiles|float32 encoder attention only"
-    with pytest.raises(RuntimeError, match=refused):
-        op.packed_attention(qkv, torch.tensor([0, 10]), 2, 0.1, True, 2, True)
+    if op.causal_float32():
+        # an AVX2 build: grouped heads only as a causal LM's prompt, and no bfloat16
+        with pytest.raises(RuntimeError, match="grouped-query heads need causal"):
+            op.packed_attention(torch.randn(10, 4 * 32), torch.tensor([0, 10]), 2, 0.1, True, 1)
+        with pytest.raises(RuntimeError, match="runs float32 only"):
+            op.packed_attention(qkv.bfloat16(), torch.tensor([0, 10]), 2, 0.1)
+    else:
+        # an AVX-512 build runs float32 encoders only (causal and grouped heads: AMX tiles)
+        with pytest.raises(RuntimeError, match="runs only on AMX tiles"):
+            op.packed_attention(qkv, torch.tensor([0, 10]), 2, 0.1, True, 2, True)
 
 
 @needs_op

@@ -1312,8 +1312,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 // offsets [sequences + 1] int64           (sequence s is tokens offsets[s] .. offsets[s+1]-1)
 // out     [tokens, heads * head_dim]      (qkv's dtype)
 //
-// On AMX tiles (bfloat16) it also runs a causal LM's prompt: grouped-query heads (query head h
-// reads key/value head h / (heads / kv_heads)) and `causal` (token i attends to 0..i).
+// On AMX tiles (bfloat16), and in an AVX2 build (float32), it also runs a causal LM's prompt:
+// grouped-query heads (query head h reads key/value head h / (heads / kv_heads)) and `causal`
+// (token i attends to 0..i).
 //
 // Per (sequence, head): K is laid out transposed as float32 [head_dim, n rounded to 16] and V
 // as float32 [n, head_dim]; then for each query 16 scores at a time (the query's elements
@@ -1478,7 +1479,12 @@ inline void transpose8x8(__m256 r[8]) {
 // QB = 8 queries against 8 keys at a time (8 accumulators); the weighted sum: 2 queries x 32
 // columns at a time (8 accumulators), so that a 128-wide head fits the 16 registers too.
 // Wider tiles (4 x 16, 4 x 24, 3 x 32 keys; 3 queries in the sum) measured 0.8-0.95x this.
-template <int D>
+//
+// C (causal, a causal LM's prompt): query i reads keys 0..i only. A block of 8 queries starting
+// at i0 scores the key blocks up to its own (i0 / 8 + 1 blocks, not n8 / 8: half the work of a
+// long prompt), masks the keys above each query in that diagonal block (-inf, then weight 0), and
+// sums values up to its last query.
+template <int D, bool C = false>
 void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, const float* qs,
                       std::vector<float>& sc, float* out, int64_t hidden) {
   constexpr int64_t QB = 8;
@@ -1494,7 +1500,16 @@ void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, 
     for (int64_t r = 0; r < QB; ++r) qrow[r] = qs + (i0 + std::min(r, m - 1)) * D;
     __m256 top[QB];
     for (int64_t r = 0; r < QB; ++r) top[r] = ninf;
-    for (int64_t jb = 0; jb < n8; jb += 8) {
+    // Keys this block reads (a multiple of 8), and the mask of its last key block per query:
+    // the real keys (bidirectional), or those up to the query (causal).
+    const int64_t nb = C ? i0 + 8 : n8;
+    __m256 last_keep[QB];
+    for (int64_t r = 0; r < QB; ++r)
+      last_keep[r] = C ? _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                             _mm256_set1_epi32(static_cast<int>(r + 1)),
+                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))
+                       : keep;
+    for (int64_t jb = 0; jb < nb; jb += 8) {
       __m256 a[QB];
       for (int64_t r = 0; r < QB; ++r) a[r] = _mm256_setzero_ps();
       const float* kcol = ktp + jb;
@@ -1503,9 +1518,9 @@ void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, 
         for (int64_t r = 0; r < QB; ++r)
           a[r] = _mm256_fmadd_ps(_mm256_set1_ps(qrow[r][d]), kv, a[r]);
       }
-      const bool last = jb + 8 == n8;
+      const bool last = jb + 8 == nb;
       for (int64_t r = 0; r < QB; ++r) {
-        if (last) a[r] = _mm256_blendv_ps(ninf, a[r], keep);
+        if (last) a[r] = _mm256_blendv_ps(ninf, a[r], last_keep[r]);
         _mm256_storeu_ps(sc.data() + r * n8 + jb, a[r]);
         top[r] = _mm256_max_ps(top[r], a[r]);
       }
@@ -1515,9 +1530,9 @@ void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, 
       float* srow = sc.data() + r * n8;
       const __m256 vtop = _mm256_set1_ps(hmax8(top[r]));
       __m256 total = _mm256_setzero_ps();
-      for (int64_t jb = 0; jb < n8; jb += 8) {
+      for (int64_t jb = 0; jb < nb; jb += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + jb), vtop));
-        if (jb + 8 == n8) e = _mm256_and_ps(e, keep);  // padding keys weigh nothing
+        if (jb + 8 == nb) e = _mm256_and_ps(e, last_keep[r]);  // masked keys weigh nothing
         _mm256_storeu_ps(srow + jb, e);
         total = _mm256_add_ps(total, e);
       }
@@ -1526,11 +1541,14 @@ void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, 
     const float* sp = sc.data();
     for (int64_t r0 = 0; r0 < m; r0 += 2) {
       const int64_t rows = std::min<int64_t>(2, m - r0);
+      // keys the pair reads: all, or (causal) up to its later query (the earlier's weights
+      // past its own column are zero)
+      const int64_t nj = C ? i0 + r0 + rows : n;
       for (int64_t c0 = 0; c0 < D; c0 += 32) {
         __m256 acc[2][4];
         for (auto& row : acc)
           for (auto& x : row) x = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = 0; j < nj; ++j) {
           __m256 vv[4];
           for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(vp + j * D + c0 + 8 * c);
           for (int64_t r = 0; r < 2; ++r) {
@@ -1555,10 +1573,15 @@ void packed_head_avx2(int64_t n, const float* ktp, int64_t n8, const float* vp, 
 // family 25 model 1, one thread); G x D = 128 floats a row keeps a 256-token group in L2.
 // Grouped and transposed by blocks, the op ran 1.06-1.17x faster at 200-256 tokens and
 // 1.36x / 1.54x at 64 / 33 (the same batches, alternated, one sitting).
-template <int D, int G>
+//
+// kcol, vcol: the columns of a row where head h0's keys and values start (2 x hidden apart for
+// an encoder; a causal LM's grouped-query heads read key/value head h0 / (heads / kv_heads),
+// one query head a call). C: causal (`packed_head_avx2`).
+template <int D, int G, bool C = false>
 void packed_heads_avx2(const float* base, int64_t stride, int64_t hidden, int64_t h0,
-                       int64_t n, float scale, std::vector<float>& kt, std::vector<float>& vf,
-                       std::vector<float>& sc, std::vector<float>& qf, float* out) {
+                       int64_t kcol, int64_t vcol, int64_t n, float scale,
+                       std::vector<float>& kt, std::vector<float>& vf, std::vector<float>& sc,
+                       std::vector<float>& qf, float* out) {
   const int64_t n8 = (n + 7) / 8 * 8, full = n / 8 * 8;
   kt.resize(G * D * n8);
   vf.resize(G * n * D);
@@ -1569,7 +1592,7 @@ void packed_heads_avx2(const float* base, int64_t stride, int64_t hidden, int64_
     for (int64_t c0 = 0; c0 < G * D; c0 += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i)
-        r[i] = _mm256_loadu_ps(base + (j0 + i) * stride + hidden + h0 * D + c0);
+        r[i] = _mm256_loadu_ps(base + (j0 + i) * stride + kcol + c0);
       transpose8x8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt.data() + (c0 + i) * n8 + j0, r[i]);
     }
@@ -1577,10 +1600,10 @@ void packed_heads_avx2(const float* base, int64_t stride, int64_t hidden, int64_
   for (int64_t j = 0; j < n; ++j) {
     const float* row = base + j * stride;
     for (int64_t c = 0; c < G * D; ++c)
-      if (j >= full) kt[c * n8 + j] = row[hidden + h0 * D + c];
+      if (j >= full) kt[c * n8 + j] = row[kcol + c];
     for (int g = 0; g < G; ++g) {
       const float* q = row + (h0 + g) * D;
-      const float* v = row + 2 * hidden + (h0 + g) * D;
+      const float* v = row + vcol + g * D;
       float* vd = vf.data() + (g * n + j) * D;
       float* qd = qf.data() + (g * n + j) * D;
       for (int64_t d = 0; d < D; d += 8) {
@@ -1590,8 +1613,8 @@ void packed_heads_avx2(const float* base, int64_t stride, int64_t hidden, int64_
     }
   }
   for (int g = 0; g < G; ++g)
-    packed_head_avx2<D>(n, kt.data() + g * D * n8, n8, vf.data() + g * n * D,
-                        qf.data() + g * n * D, sc, out + (h0 + g) * D, hidden);
+    packed_head_avx2<D, C>(n, kt.data() + g * D * n8, n8, vf.data() + g * n * D,
+                           qf.data() + g * n * D, sc, out + (h0 + g) * D, hidden);
 }
 #endif
 
@@ -1603,6 +1626,16 @@ bool amx_ready();
 bool has_amx() {
 #if defined(LENBATCH_AMX)
   return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// Whether `packed_attention` runs a causal LM's float32 prompt (grouped-query heads, causal) in
+// this build: the AVX2 loop does; the AVX-512 one runs float32 encoders only.
+bool causal_float32() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return true;
 #else
   return false;
 #endif
@@ -2093,14 +2126,39 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
   if (qkv.scalar_type() == at::kBFloat16) by_dim(c10::BFloat16{});
   else by_dim(float{});
 #elif defined(__AVX2__) && defined(__FMA__)
-  // The AVX2 loop: float32, bidirectional, one key/value head per query head (encoders).
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && !causal && kv_heads == heads,
-              "packed_attention: an AVX2 build runs float32 encoder attention only (use "
-              "torch's attention elsewhere)");
+  // The AVX2 loop: float32; an encoder (bidirectional, one key/value head per query head) or a
+  // causal LM's whole prompt (causal, grouped-query heads).
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat,
+              "packed_attention: an AVX2 build runs float32 only (use torch's attention "
+              "elsewhere)");
   const float fscale = static_cast<float>(scale);
   const int64_t stride = qkv.size(1);
   const float* q = qkv.data_ptr<float>();
   float* dst = out.data_ptr<float>();
+  if (causal || kv_heads != heads) {
+    TORCH_CHECK(causal, "packed_attention: grouped-query heads need causal (a causal LM)");
+    // One task per (sequence, query head): a 2-core machine splits a prompt's 9 heads 5 / 4,
+    // where tasks per key/value head (3) would split 2 / 1. Each lays out its key/value head
+    // itself (a few % of the scores' work at 100+ tokens).
+    const int64_t group = heads / kv_heads, kv_hidden = kv_heads * head_dim;
+    auto run = [&](auto dim) {
+      constexpr int D = decltype(dim)::value;
+      at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> kt, vf, sc, qf;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t s = task / heads, h = task % heads, start = o[s], g = h / group;
+          packed_heads_avx2<D, 1, true>(q + start * stride, stride, hidden, h,
+                                        hidden + g * D, hidden + kv_hidden + g * D,
+                                        o[s + 1] - start, fscale, kt, vf, sc, qf,
+                                        dst + start * hidden);
+        }
+      });
+    };
+    if (head_dim == 32) run(std::integral_constant<int, 32>{});
+    else if (head_dim == 64) run(std::integral_constant<int, 64>{});
+    else run(std::integral_constant<int, 128>{});
+    return out;
+  }
   // Tasks of G heads of one sequence, G x head_dim up to 128 floats where G divides heads.
   auto run = [&](auto dim, auto group) {
     constexpr int D = decltype(dim)::value, G = decltype(group)::value;
@@ -2109,7 +2167,8 @@ at::Tensor packed_attention(const at::Tensor& qkv, const at::Tensor& offsets, in
       std::vector<float> kt, vf, sc, qf;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / groups, g = task % groups, start = o[s];
-        packed_heads_avx2<D, G>(q + start * stride, stride, hidden, g * G, o[s + 1] - start,
+        packed_heads_avx2<D, G>(q + start * stride, stride, hidden, g * G,
+                                hidden + g * G * D, 2 * hidden + g * G * D, o[s + 1] - start,
                                 fscale, kt, vf, sc, qf, dst + start * hidden);
       }
     });
@@ -2347,6 +2406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil(),
         "h += delta in place; returns rms_norm(h) * weight (float32 inside)");
   m.def("has_amx", &has_amx, "Whether this build and this process can use the AMX tile unit");
+  m.def("causal_float32", &causal_float32,
+        "Whether packed_attention runs a causal LM's float32 prompt in this build");
   m.def("quantize_rows", &quantize_rows, nogil(),
         "x [rows, in] float32 -> (q uint8 = round(x / s) + levels + 1, s [rows] = max |x| / "
         "levels): symmetric levels per row");
@@ -2363,11 +2424,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One decode step's decoder layers (float32, group-loop products) in one call; writes "
         "each layer's keys and values at column end and returns the residual stream");
 #endif
-  // Packed attention: every build (AVX2: float32 encoder attention only).
+  // Packed attention: every build (AVX2: float32 only).
   m.def("packed_attention", &packed_attention, nogil(),
         "Packed self-attention from qkv [tokens, (heads + 2 kv_heads) x dim] and offsets "
         "(bfloat16 on the AMX tile unit where the CPU has one and use_amx is true; causal and "
-        "grouped-query heads only there; an AVX2 build: float32 encoders only)",
+        "grouped-query heads there and in an AVX2 build, which runs float32 only)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"),
         py::arg("use_amx") = true, py::arg("kv_heads") = 0, py::arg("causal") = false);
   // The bfloat16 products and attention paths: AVX-512 builds only (the Python side

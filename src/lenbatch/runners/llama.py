@@ -19,7 +19,9 @@ runs the same computation with less per-step overhead:
   with AMX through the same build's `packed_attention` (tile products straight from the fused
   Q/K/V rows) for a whole prompt, and through its `chunk_attention` for a job's left-padded
   rows and a prompt's later chunks (each row over its real columns, cached ones included,
-  read in place from the cache); elsewhere torch's `F.scaled_dot_product_attention` with
+  read in place from the cache); a whole float32 prompt of up to 640 tokens through the AVX2
+  build's `packed_attention` (a CPU without AVX-512); elsewhere torch's
+  `F.scaled_dot_product_attention` with
   grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
   views; `LeanLlama._attend`).
 
@@ -65,6 +67,12 @@ log = logging.getLogger("lenbatch.runner")
 # `off` runs a decode step's layers one op call at a time from Python even where
 # `decode_layers` could run them in one (A/B runs, tests).
 _ONE_CALL_ENV = "LENBATCH_DECODE_LAYERS"
+_PROMPT_ENV = "LENBATCH_PROMPT_ATTENTION"  # auto, or sdpa: torch's attention for float32 prompts
+# Longest prompt the AVX2 loop takes: it reads a head's values once per pair of queries, which
+# stays in L2 to ~600 tokens; torch's flash attention, tiled over keys, wins beyond. SmolLM2's
+# shapes on an AMD EPYC family 25 model 1, 2 threads, per layer: 1.29-2.4x torch's up to 512
+# tokens, 1.17x at 640, 0.96x at 768, 0.85x at 1024 (bench/prompt_attention.py).
+_AVX2_PROMPT_MAX = 640
 
 # Architectures whose forward is exactly the Llama one this module implements.
 _LLAMA_TYPES = ("llama",)
@@ -162,6 +170,18 @@ class LeanLlama:
             and self.kernel.has_amx()
             and amx_allowed()
         )
+        # A whole float32 prompt's causal attention (up to `_AVX2_PROMPT_MAX` tokens) through
+        # the AVX2 build's loop (a CPU without AVX-512: a Zen 3), from the same fused rows: each
+        # query block scores only the keys up to its own, in registers, where torch's flash
+        # attention tiles and rescales. `bench/results/zen3-model1/prompt-attention-avx2.md`;
+        # `LENBATCH_PROMPT_ATTENTION=sdpa` keeps torch's.
+        self.prompt_op = self.tiles or (
+            self.kernel is not None
+            and self.dtype == torch.float32
+            and self.head_dim in (32, 64, 128)
+            and bool(getattr(self.kernel, "causal_float32", lambda: False)())
+            and os.environ.get(_PROMPT_ENV, "auto").strip().lower() != "sdpa"
+        )
         self.embed = inner.embed_tokens.weight.detach().to(self.dtype)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
@@ -221,6 +241,8 @@ class LeanLlama:
             line += f" (quantized products: torch's {type(small).__name__})"
         if self.one_call is not None:
             line += "; a decode step's layers in one C++ call where its products take few rows"
+        if self.prompt_op and not self.tiles:
+            line += "; whole prompts' attention in lenbatch's AVX2 loop (float32, causal)"
         return line
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -436,6 +458,7 @@ class LeanLlama:
         masks = [self._prefill_mask(s) for s in segments]
         kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
         tiles = self.tiles and kernel is not None
+        prompt_op = self.prompt_op and kernel is not None
         # Prompt chunks with a mask (a job's left-padded rows; a later chunk, over its cached
         # columns) take the tile attention too, each row over its real columns.
         firsts = [
@@ -463,7 +486,13 @@ class LeanLlama:
                 v = qkv[:, nh + nkv :]
                 keys, values = seg.cache.update(k, v, i)
                 rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
-                if masks[j] is None and tiles and kernel is not None and rows_qkv.is_contiguous():
+                whole = (
+                    masks[j] is None
+                    and prompt_op
+                    and (self.tiles or new <= _AVX2_PROMPT_MAX)
+                    and rows_qkv.is_contiguous()
+                )
+                if whole and kernel is not None:
                     # whole prompts: straight from their rows (rotated in place above)
                     starts = torch.arange(0, counts[j] + 1, new, dtype=torch.long)
                     parts.append(
