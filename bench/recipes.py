@@ -656,6 +656,13 @@ script_recipe(
     "--prompts", "64", "--max-new", "32", "base", "w", "wi", "wio", "wion", "r", "no", "wionr",
 )  # fmt: skip
 script_recipe(
+    "int8-activations", "llm_int8_activations.py",
+    "What int8 weights and activations cost SmolLM2's greedy tokens, teacher-forced "
+    "(zen3-model1/llm-int8-activations/).",
+    "--prompts", "64", "--max-new", "32", "base", "bf16", "w8", "w7", "a8", "a8-keep4",
+    "a8-keep16", "a8-block", "onednn", "onednn:qkv", "onednn:o", "onednn:gate_up", "onednn:down",
+)  # fmt: skip
+script_recipe(
     "one-call-ab", "llm_one_call_ab.py",
     "A decode step's layers in one C++ call against op by op, alternated "
     "(zen3-model1/one-call-f32-ab.md).",
