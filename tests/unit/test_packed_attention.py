@@ -34,6 +34,23 @@ def _reference(qkv: torch.Tensor, lengths: list[int], heads: int) -> torch.Tenso
     return torch.cat(out)
 
 
+def _grouped_reference(
+    qkv: torch.Tensor, lengths: list[int], heads: int, kv_heads: int, causal: bool
+) -> torch.Tensor:
+    """float32 SDPA per prompt on fused rows `Q | K | V` with grouped-query heads."""
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    out, start = [], 0
+    for n in lengths:
+        x = qkv[start : start + n].float()
+        q = x[:, : heads * dim].view(n, heads, dim).transpose(0, 1)
+        k = x[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
+        v = x[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out.append(o.transpose(0, 1).reshape(n, heads * dim))
+        start += n
+    return torch.cat(out)
+
+
 AMX = "amx_bf16" in cpu_flags()
 
 
@@ -99,16 +116,8 @@ def test_grouped_causal_prompts_on_tiles(heads: int, kv_heads: int, dim: int, ca
     qkv = (2 * torch.randn(sum(lengths), width, generator=gen)).bfloat16()
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
     got = op.packed_attention(qkv, offsets, heads, dim**-0.5, True, kv_heads, causal)
-    want, start = [], 0
-    for n in lengths:
-        x = qkv[start : start + n].float()
-        q = x[:, : heads * dim].view(n, heads, dim).transpose(0, 1)
-        k = x[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
-        v = x[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        want.append(o.transpose(0, 1).reshape(n, heads * dim))
-        start += n
-    torch.testing.assert_close(got.float(), torch.cat(want), atol=2e-2, rtol=1e-2)
+    want = _grouped_reference(qkv, lengths, heads, kv_heads, causal)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 @needs_op
@@ -129,16 +138,8 @@ def test_causal_float32_prompts_in_the_avx2_build(heads: int, kv_heads: int, dim
     qkv = 2 * torch.randn(sum(lengths), width, generator=gen)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
     got = op.packed_attention(qkv, offsets, heads, dim**-0.5, True, kv_heads, True)
-    want, start = [], 0
-    for n in lengths:
-        x = qkv[start : start + n]
-        q = x[:, : heads * dim].view(n, heads, dim).transpose(0, 1)
-        k = x[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
-        v = x[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        want.append(o.transpose(0, 1).reshape(n, heads * dim))
-        start += n
-    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-4)
+    want = _grouped_reference(qkv, lengths, heads, kv_heads, causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(not AMX, reason="a prompt chunk's attention runs only on AMX tiles")
