@@ -140,7 +140,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--quantize", default="none", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--switch-rows", type=int, help="quantized kernels up to this many rows")
     p.add_argument("--lean", default="auto", choices=("auto", "off"))
     p.add_argument("--alone", action="store_true", help="each prompt alone, not batched")

@@ -238,12 +238,10 @@ def test_int4_keeps_the_output_matrix_in_int8(
     assert next(bf.model.parameters()).dtype == torch.bfloat16
 
 
-@needs_op  # float32 group-wise products run in the C++ op
-def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """A tiny Llama whose layer weights lie on Q4_1 grids and whose output matrix on Q8_0
-    grids (what a Q4_1 GGUF such as SmolLM2's dequantizes to): `--dtype float32 --quantize
-    int4`, forced on at every row count, decodes greedily token for token as transformers'
-    `generate()` on those weights."""
+def _on_gguf_grids(tiny_llama_dir: Path, folder: Path, layer_bits: int) -> Path:
+    """A copy of the tiny Llama whose layer weights lie on `layer_bits`-bit group grids (4:
+    Q4_1, 8: Q8_0) and whose output matrix on Q8_0 grids: what a Q4_1 (or Q8_0) GGUF such as
+    SmolLM2's dequantizes to."""
     import shutil
 
     from transformers import LlamaForCausalLM
@@ -256,19 +254,53 @@ def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("proj.weight"):
-                param.copy_(GroupLinear(param, 4, op).dequantized())
+                param.copy_(GroupLinear(param, layer_bits, op).dequantized())
             elif name == "lm_head.weight":
                 param.copy_(GroupLinear(param, 8, op).dequantized())
-    folder = tmp_path / "llama-q4"
     model.save_pretrained(str(folder))
     for f in tiny_llama_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) and not (folder / f.name).exists():
             shutil.copy(f, folder / f.name)
+    return folder
+
+
+@needs_op  # float32 group-wise products run in the C++ op
+def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A tiny Llama on Q4_1 / Q8_0 grids: `--dtype float32 --quantize int4`, forced on at
+    every row count, decodes greedily token for token as transformers' `generate()` on those
+    weights."""
+    from lenbatch.runners.weightonly import GroupLinear
+
+    folder = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q4", 4)
     runner = CausalLMRunner(folder, name="tiny-q4", quantization="int4", quant_switch_rows=1024)
     assert runner.lean is not None
     assert isinstance(runner.lean.layers[0].qkv.small, GroupLinear)  # type: ignore[attr-defined]
     for prompt in runner.tokenize(PROMPTS):
         assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
+
+
+@needs_op
+def test_auto_runs_the_groups_a_model_ships(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """`quantization="auto"` (serve's default) runs int4 for weights on Q4_1 grids with a Q8_0
+    output matrix, int8 for Q8_0 grids, and none for float weights or in bfloat16; what it
+    found is the runner's `quantization` (the cost models' key). On the Q4_1 grids it decodes
+    as `generate()` token for token."""
+    from lenbatch.runners.weightonly import GroupLinear
+
+    q4 = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q4", 4)
+    q8 = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q8", 8)
+    runner = CausalLMRunner(q4, name="tiny-q4", quantization="auto", quant_switch_rows=1024)
+    assert runner.quantization == "int4"
+    assert runner.lean is not None
+    assert isinstance(runner.lean.layers[0].qkv.small, GroupLinear)  # type: ignore[attr-defined]
+    for prompt in runner.tokenize(PROMPTS):
+        assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
+    assert CausalLMRunner(q8, quantization="auto", quant_switch_rows=8).quantization == "int8"
+    assert CausalLMRunner(tiny_llama_dir, quantization="auto").quantization == "none"
+    bf16 = CausalLMRunner(q4, dtype="bfloat16", quantization="auto", pack=False)
+    assert bf16.quantization == "none"
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    assert CausalLMRunner(q4, quantization="auto", lean=False).quantization == "none"
 
 
 @needs_op

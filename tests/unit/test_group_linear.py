@@ -19,6 +19,7 @@ from lenbatch.runners.weightonly import (
     SwitchLinear,
     group_op,
     make_linear,
+    stored_groups,
 )
 from tests.helpers import needs_op
 
@@ -60,6 +61,27 @@ def test_recovers_gguf_blocks_and_multiplies_exactly(bits: int) -> None:
         x = torch.randn((rows, inp), generator=gen)
         ref = (x.double() @ w.double().T).float()
         torch.testing.assert_close(lin(x, rows), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stored_groups_finds_what_a_gguf_ships() -> None:
+    """`--quantize auto`'s test: Q4_1 layers with a Q8_0 output matrix are int4, Q8_0
+    throughout int8; float weights, a float output matrix, or one value a hundredth of a step
+    off its grid are none."""
+    layers = [_q4_1(64, 96, s) for s in range(3)]
+    head = _q8_0(50, 96, 9)
+    assert stored_groups(layers, head) == "int4"
+    assert stored_groups([_q8_0(64, 96, s) for s in range(3)], head) == "int8"
+    # int4 runs the output matrix as symmetric 8-bit groups: an asymmetric 4-bit one would round
+    assert stored_groups(layers, _q4_1(50, 96, 9)) == "none"
+    gen = torch.Generator().manual_seed(4)
+    assert stored_groups([torch.randn((64, 96), generator=gen)], head) == "none"
+    assert stored_groups(layers, torch.randn((50, 96), generator=gen)) == "none"
+    off = layers[1].clone()
+    step = (off[7, :32].max() - off[7, :32].min()) / 15
+    off[7, 5] += step / 100
+    assert stored_groups([layers[0], off, layers[2]], head) == "none"
+    part = _q4_1(64, 96, 1)[:, :72].contiguous()
+    assert stored_groups([part], head) == "none"  # not whole groups of 32
 
 
 @needs_op

@@ -143,6 +143,11 @@ def test_quantization_is_refused_by_a_runner_without_it() -> None:
 
     assert hardware.runner_quantizations(Plain) == ("none",)
     assert hardware.check_quantization("none", "Plain") == "none"
+    # auto is none for a runner that does not resolve it itself (it lists no `auto`)
+    assert hardware.check_quantization("auto", "Plain") == "none"
+    assert hardware.check_quantization("auto", "Int8", hardware.runner_quantizations(Int8)) == (
+        "none"
+    )
     with pytest.raises(ValueError, match="Plain does not support quantization int8"):
         hardware.check_quantization("int8", "Plain", hardware.runner_quantizations(Plain))
     assert hardware.check_quantization("int8", "Int8", hardware.runner_quantizations(Int8))

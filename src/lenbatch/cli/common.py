@@ -94,12 +94,14 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
     """`--quantize`: the model's weight quantization, apart from `--dtype`."""
     p.add_argument(
         "--quantize",
-        choices=["none", "int8", "int4"],
-        help="weight quantization, apart from --dtype (default none): causal LMs run int8 or "
-        "int4 weight-only products at small row counts (with --dtype float32, int4 runs a Q4_1 "
-        "GGUF's own weights exactly); encoders run int8 (int8 weights per channel and "
-        "activations per token, float32 around them; --dtype float32 or auto). A runner that "
-        "does not implement the one asked for refuses to start",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight quantization, apart from --dtype (default auto: the weights as the model "
+        "ships them; a float32 causal LM stored as GGUF Q4_1 runs int4, as Q8_0 int8, exactly; "
+        "anything else none): causal LMs run int8 or int4 weight-only products at small row "
+        "counts (with --dtype float32, int4 runs a Q4_1 GGUF's own weights exactly); encoders "
+        "run int8 (int8 weights per channel and activations per token, float32 around them; "
+        "--dtype float32 or auto). A runner that does not implement the one asked for refuses "
+        "to start",
     )
 
 

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         dtype=args.dtype,
         execution=args.execution,
-        quantization=args.quantize or "none",
+        quantization=args.quantize or "auto",
     )
     limit = runner.info.max_length
     lengths = args.lengths or [n for n in int_list(DEFAULT_LENGTHS) if n <= limit]

@@ -338,7 +338,7 @@ def _check_task_and_quantization(m: ModelConfig) -> None:
     """Refuse, before loading, a task this server does not serve for the model and a
     quantization its runner does not implement (neither is ever silently ignored)."""
     task = m.task
-    quantized = m.quantization is not Quantization.NONE
+    quantized = m.quantization not in (Quantization.NONE, Quantization.AUTO)
     if task is ModelTask.AUTO and not quantized:
         return
     from lenbatch.runners.causal import resolve_causal_model

@@ -26,6 +26,7 @@ class ModelTask(StrEnum):
 class Quantization(StrEnum):
     """How a model's weights are stored, apart from the float type of its activations."""
 
+    AUTO = "auto"  # the weights as the model ships them: a GGUF's 4- or 8-bit groups, else none
     NONE = "none"  # the weights in the model's float type (`dtype`)
     INT8 = "int8"  # 8-bit integers (causal LMs: weight-only; encoders: weights and activations)
     INT4 = "int4"  # 4-bit integer weights (causal LMs, weight-only; encoders refuse it)
@@ -65,9 +66,13 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Float type of the model: float32, bfloat16, float16 (GPU only) or auto (bfloat16 where
     the hardware runs it natively, else float32). The start-up log says what was picked and why."""
-    quantization: Quantization = Quantization.NONE
-    """Weight quantization, apart from `dtype`: none, int8 or int4. A runner that does not
-    implement the one asked for refuses to start. Causal LMs on the lean Llama path (SmolLM2)
+    quantization: Quantization = Quantization.AUTO
+    """Weight quantization, apart from `dtype`: auto, none, int8 or int4. `auto` computes with
+    the weights as the model ships them: a causal LM on the lean Llama path in float32 whose
+    layers are GGUF's Q4_1 blocks (and output matrix Q8_0, as the bundled SmolLM2) runs `int4`,
+    a Q8_0 GGUF `int8`, exactly as stored (the start-up log says what it found); anything else,
+    encoders included, runs `none`. A runner that does not implement the one asked for refuses
+    to start. Causal LMs on the lean Llama path (SmolLM2)
     implement int8 and int4 (groups of 32), weight-only, up to the row count where they beat
     the dense kernel on this processor (measured at load): in float32, lenbatch's own loop with
     GGUF's Q8_0 / Q4_1 blocks (a Q4_1 GGUF then runs its shipped weights exactly); in bfloat16,

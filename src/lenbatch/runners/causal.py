@@ -26,7 +26,7 @@ from lenbatch.runners.hardware import check_quantization, resolve_precision
 from lenbatch.runners.llama import LeanLlama, lean_unsupported, llama_shapes
 from lenbatch.runners.memory import current_rss, peak_rss
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.runners.weightonly import plan_for
+from lenbatch.runners.weightonly import plan_for, stored_groups
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -133,7 +133,8 @@ class CausalLMRunner:
     is otherwise measured on this processor at load (`runners.weightonly.plan_for`).
     """
 
-    quantizations = ("none", "int8", "int4")
+    # `auto`: the weights' own groups where the model ships them (`_stored_quantization`).
+    quantizations = ("auto", "none", "int8", "int4")
 
     def __init__(
         self,
@@ -163,7 +164,10 @@ class CausalLMRunner:
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.folder, **extra)
         # A quantized model is quantized from float32 weights (a GGUF's dequantized 4-bit groups
         # are exact there, not after rounding to bfloat16); the model is cast after.
-        load_dtype = self.precision.dtype if quantization == "none" else torch.float32
+        maybe_quantized = quantization != "none" and not (
+            quantization == "auto" and self.precision.dtype != torch.float32
+        )
+        load_dtype = torch.float32 if maybe_quantized else self.precision.dtype
         model_kwargs: dict[str, Any] = dict(extra, dtype=load_dtype)
         if attn_implementation is not None:
             model_kwargs["attn_implementation"] = attn_implementation
@@ -198,6 +202,8 @@ class CausalLMRunner:
         )
         self.text = TextTokenizer(self.tokenizer, self.info.max_length, keep="tail")
         self.has_chat_template = self.text.has_chat_template
+        if quantization == "auto":
+            quantization = self._stored_quantization(lean)
         self.quantization = quantization
         self.lean = self._lean_path(lean, quantization, pack, quant_switch_rows)
         self.model = self.model.to(self.precision.dtype)
@@ -205,6 +211,39 @@ class CausalLMRunner:
         self._rss_after_load = current_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _stored_quantization(self, lean: bool | None) -> str:
+        """What `auto` runs: the group-of-32 products of the weights as the model ships them
+        (`weightonly.stored_groups`: a Q4_1 GGUF's layers with its Q8_0 output matrix give
+        `int4`, a Q8_0 GGUF `int8`) where they compute exactly: float32 activations on the lean
+        path. Else `none` (bfloat16 would round the groups' scales; the transformers path runs
+        dense weights only)."""
+        why = None
+        if self.device.type != "cpu":
+            why = f"the group-of-32 products run on CPU only, not on {self.device}"
+        elif self.precision.dtype != torch.float32:
+            why = f"the model runs in {self.precision.name}"
+        elif lean is False or lean_unsupported(self.model) is not None:
+            why = "the lean Llama path is off"
+        found = "none"
+        if why is None:
+            block = [
+                mod.weight
+                for layer in self.model.model.layers
+                for mod in layer.modules()
+                if isinstance(mod, torch.nn.Linear)
+            ]
+            found = stored_groups(block, self.model.lm_head.weight)
+            why = (
+                "its weights are already 4-bit groups of 32 with an 8-bit output matrix "
+                "(Q4_1 and Q8_0 as GGUF ships them): computed exactly as stored"
+                if found == "int4"
+                else "its weights are already 8-bit groups of 32 (Q8_0): computed exactly as stored"
+                if found == "int8"
+                else "its weights are not stored in 4- or 8-bit groups"
+            )
+        log.info("quantization auto for %s: %s (%s)", self.info.name, found, why)
+        return found
 
     def _lean_path(
         self, lean: bool | None, quantization: str, pack: bool | None, switch_rows: int | None

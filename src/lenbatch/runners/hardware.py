@@ -199,7 +199,7 @@ def resolve_precision(requested: str, device: str = "cpu") -> Precision:
     return Precision(_TORCH_DTYPES[requested], requested, "requested")
 
 
-QUANTIZATION_NAMES = ("none", "int8", "int4")
+QUANTIZATION_NAMES = ("auto", "none", "int8", "int4")
 
 
 def runner_quantizations(runner_class: type) -> tuple[str, ...]:
@@ -211,11 +211,15 @@ def runner_quantizations(runner_class: type) -> tuple[str, ...]:
 def check_quantization(requested: str, runner: str, supported: Collection[str] = ("none",)) -> str:
     """`requested` when the runner called `runner` implements it (`supported`), else a
     ValueError naming the runner, the quantization and what the runner does implement:
-    a quantization is never silently ignored."""
+    a quantization is never silently ignored. `auto` is what the runner resolves it to where
+    it lists `auto` itself (it then keeps `auto` and resolves it at load), else `none`: auto
+    only ever runs weights as the model ships them."""
     if requested not in QUANTIZATION_NAMES:
         raise ValueError(
             f"quantization {requested!r}: expected one of {', '.join(QUANTIZATION_NAMES)}"
         )
+    if requested == "auto" and requested not in supported:
+        return "none"
     if requested not in supported:
         raise ValueError(
             f"{runner} does not support quantization {requested} (it runs: "

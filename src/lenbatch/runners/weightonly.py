@@ -75,6 +75,7 @@ __all__ = [
     "pack_bf16_weight",
     "pack_gate_up",
     "plan_for",
+    "stored_groups",
 ]
 
 log = logging.getLogger("lenbatch.runner")
@@ -199,6 +200,38 @@ def _q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
     return q, scale, lo
+
+
+# A weight "is" 4- or 8-bit groups when quantizing it moves no value by more than this share of
+# its group's step: float32 rounding of a GGUF's dequantized blocks stays ~1e-6 of a step, while
+# rounding a float weight moves its values by up to half a step.
+_STORED_TOLERANCE = 1e-3
+
+
+def _is_groups(weight: torch.Tensor, bits: int) -> bool:
+    out, inp = weight.shape
+    if inp % INT4_GROUP:
+        return False
+    g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
+    if bits == 4:
+        q, scale, lo = _q4_groups(weight)
+        back = q.float() * scale[..., None] + lo[..., None]
+    else:
+        scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+        back = (g / scale[..., None]).round().clamp(-127, 127) * scale[..., None]
+    return bool(((back - g).abs() <= _STORED_TOLERANCE * scale[..., None]).all())
+
+
+def stored_groups(block: Sequence[torch.Tensor], head: torch.Tensor) -> str:
+    """What a model's weights already are, as the group-of-32 products hold them: `int4` when
+    every weight of the layers (`block`) is 4-bit groups (GGUF's Q4_1: quantizing them gives the
+    shipped values back) and the output matrix `head` 8-bit (Q8_0, as `int4` runs it), `int8`
+    when all are 8-bit groups (Q8_0), else `none`. `--quantize auto` runs what this finds, so
+    it only ever computes with the weights as shipped. Stops at the first weight that fails."""
+    for bits, name in ((4, "int4"), (8, "int8")):
+        if all(_is_groups(w, bits) for w in block) and _is_groups(head, 8):
+            return name
+    return "none"
 
 
 class Int4Linear(RowLinear):
