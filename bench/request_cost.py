@@ -14,6 +14,11 @@ reports, per request: event-loop CPU, all-thread CPU, the forward's CPU, and all
 minus the forward's (what the request path costs). It also says which event loop and HTTP
 parser the server ran (uvloop / httptools are loaded only if installed), read from the
 server's memory map.
+
+The HTTP server's own floor comes last: the same calls to uvicorn (the loop and parser `serve`
+gets) running a bare ASGI app that answers each with a fixed body of an answer's size, so the
+table can say how much of the loop's CPU is uvicorn's and how much is lenbatch's (route,
+tokenization, engine, answer).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -98,6 +104,70 @@ def forward_cpu(config: str, n: int) -> tuple[float, str]:
     return total / n, f"{'packed' if packed else 'padded'}, {len(ids[0])} tokens, {threads} threads"
 
 
+def floor_app(body: bytes) -> Any:
+    """A bare ASGI app that reads each call and answers `body` (the HTTP server's floor)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def serve_floor(port: int, answer: Path) -> None:
+    """Run `floor_app` answering the bytes of `answer` under uvicorn on `port` (the subprocess
+    `--floor-port` starts)."""
+    import uvicorn
+
+    uvicorn.run(floor_app(answer.read_bytes()), host="127.0.0.1", port=port, log_level="warning")
+
+
+def real_answer(url: str, body: bytes) -> bytes:
+    """One answer of the server at `url` to `body`, as sent."""
+    from urllib.request import Request, urlopen
+
+    req = Request(f"{url}/v1/embeddings", body, {"Content-Type": "application/json"})
+    with urlopen(req, timeout=30) as resp:
+        data: bytes = resp.read()
+    return data
+
+
+def floor_cpu(body: bytes, n: int, answer: bytes) -> float:
+    """Event-loop CPU seconds per call of uvicorn answering `answer` (`serve_floor`)."""
+    import subprocess
+
+    from lenbatch.replay.process import free_port
+
+    port = free_port()
+    path = Path(tempfile.mkdtemp(prefix="request-floor-")) / "answer.json"
+    path.write_bytes(answer)
+    cmd = [sys.executable, __file__, "--floor-port", str(port), "--floor-answer", str(path)]
+    proc = subprocess.Popen(cmd)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                asyncio.run(sequential(url, body, 20))
+                break
+            except OSError:
+                time.sleep(0.1)
+        before = thread_cpu(proc.pid)
+        asyncio.run(sequential(url, body, n))
+        return cpu_delta(before, thread_cpu(proc.pid)).get(proc.pid, ("", 0.0))[1] / n
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def main() -> int:
     """Measure and print (and with --out write) the per-request figures."""
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -105,7 +175,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--serve-args", default="", help="more `lenbatch serve` flags")
     p.add_argument("--out", type=Path)
+    p.add_argument("--floor-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--floor-answer", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.floor_port is not None:
+        serve_floor(args.floor_port, args.floor_answer)
+        return 0
     # The in-process forward runs on the malloc the server runs on (it preloads tcmalloc where
     # installed, which changes the forward's CPU): re-executed once here likewise.
     from lenbatch.runners.allocator import choose
@@ -126,6 +201,7 @@ def main() -> int:
         server.wait_ready()
         pid = server.proc.pid
         asyncio.run(sequential(server.url, body, 50))  # warm
+        answer = real_answer(server.url, body)
         before = thread_cpu(pid)
         wall, ok = asyncio.run(sequential(server.url, body, args.requests))
         delta = cpu_delta(before, thread_cpu(pid))
@@ -137,6 +213,7 @@ def main() -> int:
     all_ms = 1e3 * sum(s for _, s in delta.values()) / n
     fwd_s, fwd_what = forward_cpu(args.config, n)
     fwd_ms = 1e3 * fwd_s
+    floor_ms = 1e3 * floor_cpu(body, n, answer)
     busy = sorted(((s, t) for t, (_, s) in delta.items() if s > 0.01), reverse=True)
     lines = [
         "# CPU per one-input request, outside the forward pass",
@@ -153,6 +230,10 @@ def main() -> int:
         f"| all server threads | {all_ms:.2f} |",
         f"| the forward pass alone, in-process ({fwd_what}) | {fwd_ms:.2f} |",
         f"| all threads outside the forward pass | {all_ms - fwd_ms:.2f} |",
+        f"| uvicorn's floor: the same calls answered by a bare ASGI app (its event loop) "
+        f"| {floor_ms:.2f} |",
+        f"| what lenbatch adds on the event loop (route, tokenization, engine, answer) "
+        f"| {loop_ms - floor_ms:.2f} |",
         "",
         "Busy server threads (CPU ms per request): "
         + ", ".join(f"{'main' if t == pid else t} {1e3 * s / n:.2f}" for s, t in busy),
