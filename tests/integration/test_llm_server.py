@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -29,15 +30,25 @@ class _Served:
         self.runner: Any = engine.runner
 
 
-@pytest.fixture(scope="module")
-def served(llama_runner: Any) -> Iterator[_Served]:
-    """The tiny Llama behind a real uvicorn server on 127.0.0.1 (continuous batching)."""
-    settings = Settings.model_validate({"model": {"name": "tiny-llama"}})
-    engine = GenerationEngine(
-        llama_runner,
+def _engine(runner: Any) -> GenerationEngine:
+    return GenerationEngine(
+        runner,
         BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
         generation=GenerationConfig(default_max_tokens=16),
     )
+
+
+@pytest.fixture(scope="module")
+def served(llama_runner: Any) -> Iterator[_Served]:
+    """The tiny Llama behind a real uvicorn server on 127.0.0.1 (continuous batching)."""
+    with _serve(_engine(llama_runner)) as s:
+        yield s
+
+
+@contextmanager
+def _serve(engine: GenerationEngine) -> Iterator[_Served]:
+    """`engine`'s app behind a real uvicorn server on 127.0.0.1, stopped on exit."""
+    settings = Settings.model_validate({"model": {"name": "tiny-llama"}})
     app = create_llm_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -77,6 +88,43 @@ def test_openai_completion_matches_generate_and_counts_usage(served: _Served) ->
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == len(tokens)
     assert out.usage.total_tokens == len(ids) + len(tokens)
+
+
+def test_a_stream_that_ends_before_its_first_token_gets_its_own_status(
+    llama_runner: Any,
+) -> None:
+    """A streamed request that ends before its first token (here: its prompt runs out of
+    memory even alone) gets the error's status line and body, 503 `out_of_memory`, as the
+    same request unstreamed does: never a 200 followed by an error event. The `openai`
+    client raises it. A short prompt beside it still streams to the end."""
+    from lenbatch.generate.failures import MIN_OOM_CHUNK
+    from lenbatch.runners.faulty import FaultyCausalRunner
+
+    faulty = FaultyCausalRunner(llama_runner, oom_prefill_tokens=MIN_OOM_CHUNK - 1)
+    assert len(llama_runner.tokenize([PROMPTS[2]])[0]) >= MIN_OOM_CHUNK
+    with _serve(_engine(faulty)) as s:
+        body = {"prompt": PROMPTS[2], "max_tokens": 3, "stream": True}
+        with (
+            httpx.Client(base_url=s.url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 503
+            streamed = json.loads(resp.read())["error"]
+        plain = httpx.post(s.url + "/v1/completions", json=dict(body, stream=False), timeout=60)
+        assert plain.status_code == 503
+        assert streamed["code"] == plain.json()["error"]["code"] == "out_of_memory"
+        client = _client(s)
+        with pytest.raises(openai.InternalServerError) as err:
+            for _ in client.completions.create(
+                model="tiny-llama", prompt=PROMPTS[2], max_tokens=3, stream=True
+            ):
+                pass
+        assert err.value.status_code == 503
+        short = client.completions.create(
+            model="tiny-llama", prompt="Hi", max_tokens=3, stream=True, temperature=0
+        )
+        assert [c.choices[0].finish_reason for c in short][-1] == "length"
+        assert not s.engine.unanswered
 
 
 def test_openai_streaming_yields_the_same_text(served: _Served) -> None:

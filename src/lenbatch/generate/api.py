@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
@@ -135,7 +135,7 @@ def create_llm_app(
 
 async def _merged(
     engine: GenerationService[Any], seqs: Sequence[GenerationHandle]
-) -> AsyncIterator[tuple[int, Delta]]:
+) -> AsyncGenerator[tuple[int, Delta]]:
     """(choice index, delta) from every sequence as they arrive."""
     if len(seqs) == 1:
         async for d in engine.stream(seqs[0]):
@@ -183,7 +183,21 @@ async def _respond(
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(engine, seqs, rid, created, served, chat, include_usage)
+        merged = _merged(engine, seqs)
+        # The status line waits for the first token: a request that ends before it (shed in
+        # the queue by adaptive, or failed) then gets its own status and error body, as one
+        # refused at the door does, rather than a 200 and an error event.
+        try:
+            first = await unless_disconnected(request, _first(merged))
+        except LenbatchError as err:
+            await merged.aclose()
+            return error_response(err)
+        if first is None:  # the client left: its sequences leave the batch
+            await merged.aclose()
+            for s in seqs:
+                engine.cancel(s)
+            return Response(status_code=499)
+        events = _sse(seqs, first, merged, rid, created, served, chat, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
     done = await unless_disconnected(request, _collect(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
@@ -216,27 +230,45 @@ async def _collect(
     return texts, reasons
 
 
+async def _first(
+    merged: AsyncIterator[tuple[int, Delta]],
+) -> tuple[tuple[int, Delta], ...]:
+    """The first (choice index, delta) of `merged` as a one-item tuple; empty if none came."""
+    try:
+        return (await anext(merged),)
+    except StopAsyncIteration:
+        return ()
+
+
 async def _sse(
-    engine: GenerationService[Any],
     seqs: list[GenerationHandle],
+    first: tuple[tuple[int, Delta], ...],
+    rest: AsyncIterator[tuple[int, Delta]],
     rid: str,
     created: int,
     served: str,
     chat: bool,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """The response as server-sent events, `data: [DONE]` last. Errors after the stream has
-    started arrive as an `error` event (the status line was already sent)."""
+    """The response as server-sent events: the `first` delta, then the `rest`, `data: [DONE]`
+    last. Errors after the first token arrive as an `error` event (the status line was
+    already sent)."""
 
     def chunk(choices: list[Any]) -> dict[str, Any]:
         return envelope(rid, created, served, choices, chat=chat, chunk=True)
 
+    async def deltas() -> AsyncIterator[tuple[int, Delta]]:
+        for item in first:
+            yield item
+        async for item in rest:
+            yield item
+
     try:
         if chat:
             for i in range(len(seqs)):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield obj_line(chunk([dict(first, finish_reason=None)]))
-        async for i, d in _merged(engine, seqs):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                yield obj_line(chunk([dict(role, finish_reason=None)]))
+        async for i, d in deltas():
             if chat:
                 choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
             else:
