@@ -295,6 +295,12 @@ def test_auto_runs_the_groups_a_model_ships(tmp_path: Path, tiny_llama_dir: Path
     assert isinstance(runner.lean.layers[0].qkv.small, GroupLinear)  # type: ignore[attr-defined]
     for prompt in runner.tokenize(PROMPTS):
         assert runner.greedy_alone(prompt, MAX_NEW) == reference_greedy(runner, prompt, MAX_NEW)
+    from lenbatch.config import BatchingConfig
+    from lenbatch.generate import GenerationEngine
+
+    # /stats says what auto found
+    stats = GenerationEngine(runner, BatchingConfig()).stats()
+    assert stats["precision"] == {"dtype": "float32", "quantization": "int4"}
     assert CausalLMRunner(q8, quantization="auto", quant_switch_rows=8).quantization == "int8"
     assert CausalLMRunner(tiny_llama_dir, quantization="auto").quantization == "none"
     bf16 = CausalLMRunner(q4, dtype="bfloat16", quantization="auto", pack=False)

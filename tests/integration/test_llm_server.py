@@ -263,6 +263,9 @@ def test_kv_cache_accounted_apart_from_weights(served: _Served) -> None:
     assert stats["kv_cache"]["peak_bytes"] % per_token == 0
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     assert stats["memory"]["weights_mb"] == pytest.approx(weights / 2**20)
+    # what the model computes in, quantization as resolved at load
+    assert stats["precision"] == {"dtype": "float32", "quantization": runner.quantization}
+    assert runner.quantization == "none"
 
 
 _SEED_RANGE = "seed: must be an integer in [-9223372036854775808, 9223372036854775807]"

@@ -209,6 +209,7 @@ class BaseEngine(Lifecycle[T]):
         out["queue_depths"] = self.queues.depths()
         out["unanswered"] = self.unanswered
         out["workers"] = dict(self.workers_info)
+        out["precision"] = runner_precision(getattr(self, "runner", None))
         out.update(self._extra_stats())
         return out
 
@@ -216,6 +217,16 @@ class BaseEngine(Lifecycle[T]):
         """Prometheus exposition: the per-bucket series, then the engine's own."""
         self.refresh_memory()
         return self.metrics.prometheus() + self._extra_prometheus()
+
+
+def runner_precision(runner: Any) -> dict[str, str | None]:
+    """What a runner computes in: its float type (None where it has none, as the fakes) and
+    its weight quantization as resolved at load (`--quantize auto` says there what it found)."""
+    precision = getattr(runner, "precision", None)
+    return {
+        "dtype": None if precision is None else precision.name,
+        "quantization": getattr(runner, "quantization", "none"),
+    }
 
 
 def _nothing() -> None:
