@@ -208,6 +208,17 @@ def _q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 _STORED_TOLERANCE = 1e-3
 
 
+def _q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit groups of `INT4_GROUP` input columns of `weight` `[out, in]`:
+    `(q, scale)` with `w ~ q * scale`, `q` int8 in -127..127 `[out, in / 32, 32]`, `scale`
+    float32 `[out, in / 32]` (each group's largest magnitude over 127, as GGUF's Q8_0)."""
+    out, inp = weight.shape
+    g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
+    scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def _is_groups(weight: torch.Tensor, bits: int) -> bool:
     out, inp = weight.shape
     if inp % INT4_GROUP:
@@ -217,8 +228,8 @@ def _is_groups(weight: torch.Tensor, bits: int) -> bool:
         q, scale, lo = _q4_groups(weight)
         back = q.float() * scale[..., None] + lo[..., None]
     else:
-        scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
-        back = (g / scale[..., None]).round().clamp(-127, 127) * scale[..., None]
+        q8, scale = _q8_groups(weight)
+        back = q8.float() * scale[..., None]
     return bool(((back - g).abs() <= _STORED_TOLERANCE * scale[..., None]).all())
 
 
@@ -275,9 +286,7 @@ class GroupLinear(RowLinear):
             self.q = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, inp // 2).contiguous()
             self.lo = lo.contiguous()
         else:
-            g = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
-            scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
-            q8 = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+            q8, scale = _q8_groups(weight)
             self.q = q8.reshape(out, inp).contiguous()
             self.lo = torch.empty(0)
         self.scale = scale.contiguous()
