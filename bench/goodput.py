@@ -225,10 +225,13 @@ def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
     write_table(plan)
 
 
-def write_table(plan: GoodputPlan, name: str = "summary.md") -> None:
-    """Write (and print) the table of the runs in `plan.out` into its file `name`."""
+def write_table(
+    plan: GoodputPlan, name: str = "summary.md", calibrated: str = "calibrated_cost.json"
+) -> None:
+    """Write (and print) the table of the runs in `plan.out` into its file `name`, the
+    calibrated predictions with the cost model `calibrated` of the first repeat's folder."""
     out = ROOT / plan.out
-    text = goodput_table(out)
+    text = goodput_table(out, calibrated)
     (out / name).write_text(text + "\n", encoding="utf-8")
     print(text)
 
@@ -379,12 +382,13 @@ def _spread(values: Sequence[float]) -> str:
     return f"{mean:.1f} ({min(values):.1f}–{max(values):.1f})"
 
 
-def goodput_table(out: Path) -> str:
-    """`summary.md` from the files `run_goodput` wrote under `out`."""
+def goodput_table(out: Path, calibrated_name: str = "calibrated_cost.json") -> str:
+    """`summary.md` from the files `run_goodput` wrote under `out` (the calibrated model:
+    `calibrated_name` in the first repeat's folder)."""
     meta = json.loads((out / "capacity.json").read_text(encoding="utf-8"))
     cap = float(meta["capacity_rps"])
     rates_dirs = sorted(out.glob("rates-*"))
-    calibrated = rates_dirs[0] / "calibrated_cost.json" if rates_dirs else None
+    calibrated = rates_dirs[0] / calibrated_name if rates_dirs else None
     if calibrated is not None and not calibrated.exists():
         calibrated = None
     sweep = [float(x) for x in str(meta["sweep"]).split(",")]
@@ -410,7 +414,7 @@ def goodput_table(out: Path) -> str:
         f"window offers {meta['window_rps']:.2f} req/s at x1. Goodput = answers within "
         f"{SLO_S:g} s per second of offered traffic, mean (range) over {len(rates_dirs)} "
         "repeats. Predicted: `simulate` with the cost model measured at start-up "
-        f"({Path(meta['cost']).name}) / with `calibrated_cost.json` of the first repeat.",
+        f"({Path(meta['cost']).name}) / with `{calibrated_name}` of the first repeat.",
         *_capacity_lines(meta),
         "",
         "| load | target | goodput req/s | shed % | P95 ms | predicted P95 ms | predicted "

@@ -315,6 +315,12 @@ def adaptive_overload(args: argparse.Namespace) -> list[Step]:
         help="run nothing: rebuild the table from the runs already in --out, the predictions "
         "by this tree's simulator, into the file NAME inside --out",
     ),
+    opt(
+        "--calibrated",
+        "calibrated_cost.json",
+        "with --table-only: the calibrated cost model in the first repeat's folder (one "
+        "`lenbatch calibrate --out` wrote from its runs with this tree)",
+    ),
     conditions,
 )
 def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
@@ -322,8 +328,9 @@ def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
     plan = goodput.plan_from_args(args)
     if args.table_only:
         name = args.table_only
-        return [Action(f"table of {plan.out} into {name}",
-                       lambda env: goodput.write_table(plan, name))]  # fmt: skip
+        cal = args.calibrated
+        return [Action(f"table of {plan.out} into {name} (calibrated: {cal})",
+                       lambda env: goodput.write_table(plan, name, cal))]  # fmt: skip
     return [Action(plan.describe(), lambda env: goodput.run_goodput(plan, env))]
 
 

@@ -315,3 +315,88 @@ def test_cpu_per_request_is_separated_from_idle_cpu_over_runs_at_two_rates() -> 
     assert o.cpu_runs == 2
     alone = measure_overhead(light, COST)
     assert alone.cpu_runs == 1 and alone.loop_cpu_s == pytest.approx((1.0 + 0.5) / 25)
+
+
+def _spread_record(factors: np.ndarray, crowd: int = 0) -> tuple[dict[str, Any], np.ndarray]:
+    """A light run whose requests, one a second, each ran alone: its batch took `factors[i]`
+    times the fitted time of its length (scale 1, +7 ms per batch, as `_run_record` counts
+    them), behind a 10 ms queue wait and 12 ms per request. Then `crowd` requests sent 10 ms
+    apart, each while the one before was in flight, five times slower: the spread must not
+    count them. Returns the record and the lengths of the requests that ran alone."""
+    wait, request_s = 0.010, 0.012
+    n = len(factors)
+    lengths = 20 + (np.arange(n) * 37) % 200
+    fitted = np.array([COST.latency(1, int(x)) for x in lengths]) + 0.007
+    sent = np.arange(n, dtype=float)
+    done = sent + wait + request_s + factors * fitted
+    crowd_sent = n + 10 + 0.01 * np.arange(crowd)
+    crowd_done = crowd_sent + 5 * (wait + request_s + fitted[:crowd])
+    all_sent = np.concatenate([sent, crowd_sent])
+    all_done = np.concatenate([done, crowd_done])
+    all_len = np.concatenate([lengths, lengths[:crowd]])
+    # the server's median makes the client's median minus it exactly `request_s`
+    server_p50_ms = 1000 * (float(np.median(all_done - all_sent)) - request_s)
+    record = _run_record(0.007, request_s, server_p50_ms)
+    record["result"].update(
+        sent=all_sent.tolist(),
+        done=all_done.tolist(),
+        status=[200] * len(all_sent),
+        lengths=all_len.tolist(),
+    )
+    record["result"]["stats_after"]["queue_wait_p50_ms"] = 1000 * wait
+    return record, lengths
+
+
+def test_the_batch_spread_is_measured_on_the_requests_that_ran_alone() -> None:
+    """41 lone requests whose batches took 0.8-1.4x their fitted time: the spread is those
+    factors' quantiles (scaled to mean 1); requests sent while another was in flight, five
+    times slower, are left out."""
+    factors = 1.1 + 0.3 * np.linspace(-1, 1, 41) ** 3  # mean 1.1: the spread is scaled to 1
+    record, _ = _spread_record(factors, crowd=15)
+    o = measure_overhead(record, COST)
+    assert (o.batch_scale, o.batch_s) == (pytest.approx(1.0), pytest.approx(0.007))
+    assert o.spread_requests == 41
+    want = np.quantile(factors / factors.mean(), np.linspace(0, 1, 21))
+    assert o.batch_spread == pytest.approx(want, abs=1e-3)
+    cal = calibrated(COST, o)
+    assert cal.batch_spread == pytest.approx(want, abs=1e-3)
+    assert "over 41 requests that ran alone" in cal.calibration
+    assert f"x{want[2]:.2f}-x{want[18]:.2f}" in cal.calibration
+
+
+def test_too_few_lone_requests_give_no_spread() -> None:
+    record, _ = _spread_record(np.ones(29))
+    o = measure_overhead(record, COST)
+    assert (o.batch_spread, o.spread_requests) == ((), 29)
+    cal = calibrated(COST, o)
+    assert cal.batch_spread == [] and "ran alone" not in cal.calibration
+    assert cal.spread_factor(0.99) == 1.0
+
+
+def test_the_spread_factor_interpolates_between_quantiles() -> None:
+    cost = CostModel(const=0.1, batch_spread=[0.5, 1.0, 1.5])
+    assert [cost.spread_factor(u) for u in (0.0, 0.25, 0.5, 0.9, 1.0)] == pytest.approx(
+        [0.5, 0.75, 1.0, 1.4, 1.5]
+    )
+    assert cost.spread_factor(-1.0) == 0.5 and cost.spread_factor(2.0) == 1.5
+    assert CostModel(const=0.1, batch_spread=[1.2]).spread_factor(0.3) == 1.2
+
+
+def test_the_simulator_draws_each_batch_time_from_the_spread_repeatably() -> None:
+    """One request every second (each batch runs alone): with a spread every batch time is the
+    model's times a factor within the spread's range, their mean near the model's, the same
+    run for the same seed and another for another seed; without one, the model's time."""
+    n = 400
+    t = Trace(np.full(n, 10), np.arange(n, dtype=float))
+    cfg = BatchingConfig(strategy=Strategy.FIFO, max_wait_ms=10)
+    plain = CostModel(const=0.1)
+    spread = CostModel(const=0.1, batch_spread=[0.6, 0.8, 1.0, 1.2, 1.4])
+    assert simulate(t, plain, cfg).execs == pytest.approx([0.1] * n, abs=EXACT)
+    first = np.asarray(simulate(t, spread, cfg).execs)
+    assert first.min() >= 0.06 - EXACT and first.max() <= 0.14 + EXACT
+    assert first.std() > 0.015  # spread out, not the model's time
+    assert first.mean() == pytest.approx(0.1, rel=0.05)
+    assert np.array_equal(first, simulate(t, spread, cfg).execs)
+    assert not np.array_equal(first, simulate(t, spread, cfg, seed=1).execs)
+    lat = np.asarray(simulate(t, spread, cfg).latencies)
+    assert np.percentile(lat, 95) > 0.01 + 0.12  # the tail of the draws, not the model's 0.1

@@ -18,6 +18,13 @@ A cost model from `lenbatch profile` times the model alone, back to back. A live
   work. Measured as the client's median latency minus the server's own median (from arrival at
   the engine to the answer).
 
+* how much one batch's time varies around the fit: the requests of the run that ran alone
+  (nothing else in flight from their sending to their answer) were each one batch of one row,
+  and their latency, less the server's median queue wait and the per-request time above, over
+  the fit's time for their length gives one sample each of live / predicted. Its quantiles,
+  scaled to mean 1, are `batch_spread` (at least 30 such requests, else none). The fit gives
+  the mean batch; the spread gives the tail that a light load's P95 is made of.
+
 * CPU time per request outside the model, on the same cores: the server's event-loop thread
   (HTTP, JSON, tokenization, scheduling) and, when it shares the machine as in `lenbatch bench`,
   the load driver. Under load this work takes a share of the cores from the model, which then
@@ -61,6 +68,8 @@ class ServingOverhead:
     cpu_runs: int = 0  # runs the CPU figures come from
     batch_scale: float = 1.0  # the scale of `live = batch_scale x model + batch_s` per batch
     batch_runs: int = 1  # runs the per-batch fit comes from
+    batch_spread: tuple[float, ...] = ()  # quantiles of live / fitted batch time, mean 1
+    spread_requests: int = 0  # requests that ran alone, which the spread comes from
 
     @property
     def cpu_per_request_s(self) -> float | None:
@@ -110,9 +119,11 @@ def measure_overhead(
             rows += more
             runs_used += 1
     scale, constant = _batch_fit(rows)
+    request_s = client_p50 - float(server_p50) / 1000.0
+    spread, alone = _batch_spread(run, cost, scale, constant, request_s)
     return ServingOverhead(
         batch_s=constant,
-        request_s=client_p50 - float(server_p50) / 1000.0,
+        request_s=request_s,
         batches=int(sum(n for _, n, _ in rows)),
         requests=int(ok.sum()),
         source=f"{run.get('name')} at rate x{rate:g}",
@@ -123,7 +134,48 @@ def measure_overhead(
         cpu_runs=0 if cpu is None else cpu[3],
         batch_scale=scale,
         batch_runs=runs_used,
+        batch_spread=spread,
+        spread_requests=alone,
     )
+
+
+SPREAD_POINTS = 21  # quantiles at probabilities 0, 0.05, ..., 1
+SPREAD_MIN_REQUESTS = 30  # requests that ran alone needed for a spread
+
+
+def _batch_spread(
+    run: Mapping[str, Any], cost: CostModel, scale: float, constant: float, request_s: float
+) -> tuple[tuple[float, ...], int]:
+    """(quantiles of live / fitted batch time, mean 1; requests they come from) over the
+    requests of `run` that ran alone (see the module docstring); no quantiles when the record
+    has no lengths or fewer than `SPREAD_MIN_REQUESTS` requests ran alone."""
+    result = run["result"]
+    lengths = result.get("lengths")
+    if lengths is None:
+        return (), 0
+    sent = np.asarray(result["sent"], dtype=np.float64)
+    done = np.asarray(result["done"], dtype=np.float64)
+    ok = np.asarray(result["status"]) == 200
+    order = np.argsort(sent, kind="stable")
+    s, d = sent[order], done[order]
+    # In flight before i: the latest answer among those sent earlier; after i: the next send.
+    latest_before = np.maximum.accumulate(np.concatenate([[-np.inf], d[:-1]]))
+    next_sent = np.concatenate([s[1:], [np.inf]])
+    alone_sorted = (latest_before <= s) & (next_sent >= d)
+    alone = np.zeros(len(sent), dtype=bool)
+    alone[order] = alone_sorted
+    alone &= ok & np.isfinite(done)
+    if int(alone.sum()) < SPREAD_MIN_REQUESTS:
+        return (), int(alone.sum())
+    wait = float(result.get("stats_after", {}).get("queue_wait_p50_ms") or 0.0) / 1000.0
+    n = np.asarray(lengths, dtype=np.float64)[alone]
+    fitted = scale * np.array([cost.latency(1, x) for x in n]) + constant
+    live = done[alone] - sent[alone] - wait - request_s
+    ratio = np.maximum(live, 0.0) / fitted
+    if ratio.mean() <= 0:
+        return (), int(alone.sum())
+    q = np.quantile(ratio / ratio.mean(), np.linspace(0.0, 1.0, SPREAD_POINTS))
+    return tuple(round(float(x), 4) for x in q), int(alone.sum())
 
 
 def _batch_rows(
@@ -215,6 +267,13 @@ def calibrated(
     else:
         who = "server loop + load driver" if with_driver else "server loop"
         note += f", {1000 * cpu:.1f} ms CPU per request ({who}) on {overhead.cores} cores"
+    spread = overhead.batch_spread
+    if spread:
+        p10, p90 = spread[len(spread) // 10], spread[-1 - len(spread) // 10]
+        note += (
+            f"; a batch x{p10:.2f}-x{p90:.2f} its predicted time (P10-P90 over "
+            f"{overhead.spread_requests} requests that ran alone)"
+        )
     return dataclasses.replace(
         cost,
         batch_scale=max(0.0, overhead.batch_scale),
@@ -223,4 +282,5 @@ def calibrated(
         cpu_per_request_s=max(0.0, cpu or 0.0),
         cpu_cores=overhead.cores or 1,
         calibration=note,
+        batch_spread=list(spread),
     )

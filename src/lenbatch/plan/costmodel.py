@@ -15,7 +15,10 @@ fan-out, and a model slower in a server than profiled back to back; scale 1 in a
 `cpu_per_request_s` on `cpu_cores` cores: CPU time each request costs outside the model on the
 same machine (the server's event loop, and a load driver if it shares the machine), which
 slows the model by `cores / (cores - rate * cpu_per_request_s)` at a given request rate. The
-simulator applies all three; `latency()` stays the model's compute.
+simulator applies all three; `latency()` stays the model's compute. `batch_spread` is how much
+one live batch's time varies around that prediction (quantiles of live / predicted, mean 1,
+measured by `calibrate` on requests that ran alone); the simulator draws each batch's time from
+it, so its tails are a live server's (empty: every batch takes exactly the predicted time).
 
 A cost model is only true for what it was measured with (the project's machine changes
 between runs): `processor` holds `runners.hardware.processor_key()` of that machine (vendor,
@@ -64,6 +67,9 @@ class CostModel:
     cpu_per_request_s: float = 0.0  # CPU seconds per request outside the model (calibrated)
     cpu_cores: int = 1  # cores that work and the model share
     calibration: str = ""  # where the overheads were measured, if they were
+    # quantiles of a live batch's time over the predicted one at probabilities 0, 1/(n-1), ...,
+    # 1, mean 1 (calibrated; empty: no spread)
+    batch_spread: list[float] = field(default_factory=list)
     processor: str = ""  # `runners.hardware.processor_key()` where measured ("" in old files)
     dtype: str = ""  # the float type the model ran in (float32, bfloat16)
     execution: str = ""  # padded or packed
@@ -112,6 +118,16 @@ class CostModel:
             dtype=self.dtype,
             quantization=self.quantization,
         )
+
+    def spread_factor(self, u: float) -> float:
+        """The factor on a batch's predicted time at quantile `u` in [0, 1] of `batch_spread`
+        (linear between its points): a simulator draws `u` uniformly; 1.0 without a spread."""
+        q = self.batch_spread
+        if len(q) < 2:
+            return q[0] if q else 1.0
+        pos = min(max(u, 0.0), 1.0) * (len(q) - 1)
+        i = min(int(pos), len(q) - 2)
+        return q[i] + (pos - i) * (q[i + 1] - q[i])
 
     def slowdown(self, request_rate: float) -> float:
         """How much slower batches run while requests arrive at `request_rate` per second,

@@ -3,7 +3,7 @@ a virtual clock, with batch service times from a `CostModel`.
 
     trace ─► admit (model limit, Admission) ─► Queues ─► schedule() ─► wait for a runner slot
           ─► run for cost.batch_seconds(B, L) (packed: cost.packed_seconds(lengths))
-             x cost.slowdown(recent request rate)
+             x cost.slowdown(recent request rate) x a draw from cost.batch_spread
           ─► answer (+ cost.request_overhead_s)
 
 What it mirrors from `lenbatch.embed.engine.Engine`, rule by rule, so predictions match live runs:
@@ -30,8 +30,13 @@ What it does not model: cancellations by clients, model failures (bisection), co
 between concurrent batches on one device (each runner slot is an independent server running at
 the cost model's speed), and the HTTP layer, tokenization and collation except as a
 calibrated cost model carries them (`lenbatch calibrate`): a scale and a constant per batch,
-a constant per request, and a slowdown of the model by the CPU share that the last second's
-requests take.
+a constant per request, a slowdown of the model by the CPU share that the last second's
+requests take, and how much one batch's time varies around its prediction (`batch_spread`:
+each batch's time is drawn from it with a random generator seeded by `seed`, so a run is
+repeatable). Without that spread every batch of one shape took the same time, and at light
+loads, where a P95 is the tail of single-request batches, the prediction fell short: on a
+2-core Zen 3 at 0.2x capacity (held-out window), 21-25 % under the live P95 without it and 8-16
+% under with it (`bench/results/zen3-model1/adaptive-goodput-heldout/summary-spread.md`).
 
 This module is the event loop; what a run produced (`SimRun`, per-lane totals, the summary) is
 built in `lenbatch.plan.simrun` from the loop's record.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import random
 from bisect import bisect_left, bisect_right
 from collections import deque
 
@@ -78,6 +84,7 @@ def simulate(
     truncate: bool = False,
     adaptive: AdaptiveConfig | None = None,
     adaptive_prior: bool = True,
+    seed: int = 0,
 ) -> SimRun:
     """Replay `trace` (one single-input call per row, at its arrival time) through the engine's
     admission, queues and scheduler with service times from `cost`; run until every admitted
@@ -85,7 +92,8 @@ def simulate(
 
     Strategy `adaptive` runs with `adaptive` (default settings if None) and an online cost
     model that learns from the simulated batch times, seeded from `cost` when
-    `adaptive_prior` (as `serve --cost FILE` seeds it), else from the generic prior."""
+    `adaptive_prior` (as `serve --cost FILE` seeds it), else from the generic prior. `seed`
+    seeds the draws from `cost.batch_spread` (none without one)."""
     # The loop allocates many small objects that never form cycles; the cyclic collector
     # only costs time here (up to a third of the run), so it is paused for the replay.
     was_enabled = gc.isenabled()
@@ -100,6 +108,7 @@ def simulate(
             truncate,
             adaptive or AdaptiveConfig(),
             adaptive_prior,
+            seed,
         )
         return replay.run()
     finally:
@@ -123,6 +132,7 @@ class _Replay:
         truncate: bool,
         adaptive_cfg: AdaptiveConfig,
         adaptive_prior: bool,
+        seed: int = 0,
     ) -> None:
         if trace.arrivals is None:
             raise ValueError(
@@ -136,6 +146,7 @@ class _Replay:
         # lengths cost (`CostModel.packed_seconds`), not rows x the longest, as a padded one
         # does (what the live server's /stats and `lenbatch calibrate` count too).
         self.packed = cost.execution == "packed"
+        self.draw = random.Random(seed).random if cost.batch_spread else None
         self.lanes = resolve_lanes(batching, max_length)
         cfg = self.cfg = self.lanes.cfg
         n = len(trace)
@@ -343,6 +354,8 @@ class _Replay:
             arr = self.arr_list
             recent = bisect_right(arr, now) - bisect_left(arr, now - 1.0)
             dt *= cost.slowdown(float(recent))
+        if self.draw is not None:
+            dt *= cost.spread_factor(self.draw())
         self.log.batches.extend((batch.lane, now, dt, pad, size))
         self.log.members.append(reqs)
         ab = 0.0
