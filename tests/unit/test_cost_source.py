@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,3 +180,14 @@ def test_a_servers_measured_cpu_per_request_reaches_the_simulator() -> None:
     assert cost.slowdown(400) == pytest.approx(2.0)
     del stats["adaptive"]["request_cpu"]  # an older server: no slowdown
     assert cost_from_stats(stats, "http://h:1").slowdown(400) == 1.0
+
+
+def test_a_servers_batch_spread_reaches_the_simulator() -> None:
+    """`--cost URL` carries how much the server's batch times varied around its fit, which
+    `simulate` draws each batch's time from; a server before it gives none."""
+    model = {"a_s": 0.02, "b_s_per_token": 1e-4, "c_s_per_token_sq": 0.0, "observed_batches": 40}
+    stats: dict[str, Any] = {"model": "m", "adaptive": {"cost_model": model}}
+    assert cost_from_stats(stats, "http://h:1").batch_spread == []
+    model["batch_spread"] = [0.5, 1.0, 1.5]
+    cost = cost_from_stats(stats, "http://h:1")
+    assert cost.batch_spread == [0.5, 1.0, 1.5] and cost.spread_factor(0.75) == 1.25

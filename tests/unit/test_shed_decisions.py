@@ -171,6 +171,26 @@ def test_shedding_follows_what_the_last_batches_measured() -> None:
     assert st.drift < 4.0**0.2 * 1.06
 
 
+def test_stats_show_how_much_batch_times_varied_around_the_fit() -> None:
+    """`/stats`' `batch_spread`: the quantiles of the last batches' measured / predicted time,
+    scaled to mean 1; none before 30 batches. Batches alternating 0.7x and 1.3x the fit of
+    the moment spread from about 0.7 to 1.3; batches at the fit's time, not at all."""
+    cfg = _cfg()
+    st = _state(cfg)
+    labels = ["1-16", "17-32", "33-64"]
+    for _ in range(29):
+        st.observe_batch(1, 16, 30, st.cost.coefficients.seconds(16, 30))
+    assert st.describe(labels, 0.0)["cost_model"]["batch_spread"] == []
+    st.observe_batch(1, 16, 30, st.cost.coefficients.seconds(16, 30))
+    assert st.describe(labels, 0.0)["cost_model"]["batch_spread"] == pytest.approx([1.0] * 21)
+    for i in range(600):
+        factor = 0.7 if i % 2 else 1.3
+        st.observe_batch(1, 16, 30, factor * st.cost.coefficients.seconds(16, 30))
+    spread = st.describe(labels, 0.0)["cost_model"]["batch_spread"]
+    assert len(spread) == 21 and spread == sorted(spread)
+    assert spread[0] < 0.8 and spread[-1] > 1.2 and 0.95 < spread[10] < 1.05
+
+
 def test_a_trickle_of_single_rows_leaves_the_queue_drain_speed_alone() -> None:
     """Single-row batches running twice as slow as the fit (weights gone cold between sparse
     requests) move the five-batch `drift`, which prices the work in flight, but not

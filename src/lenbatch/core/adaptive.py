@@ -56,7 +56,12 @@ from typing import Any
 
 from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
-from lenbatch.core.costfit import PROFILE_PRIOR_WEIGHT, CostCoefficients, OnlineCostModel
+from lenbatch.core.costfit import (
+    PROFILE_PRIOR_WEIGHT,
+    CostCoefficients,
+    OnlineCostModel,
+    spread_quantiles,
+)
 from lenbatch.core.decisions import DecisionLog
 from lenbatch.core.estimates import LaneEstimates
 from lenbatch.core.lanes import SchedulerConfig
@@ -72,6 +77,9 @@ _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
 _DRIFT_ALPHA = 0.2  # weight of the newest batch in the measured / predicted average (~5 batches)
 _QUEUE_DRIFT_ALPHA = 0.05  # the same average over ~20 batches: the speed a queue drains at
+# batches whose measured / predicted time /stats reports the quantiles of (`batch_spread`: what
+# `simulate --cost URL` draws each batch's time from)
+_SPREAD_WINDOW = 512
 _SHED_TOLERANCE = 0.02  # share of its SLO a request at a lane's head may be predicted late by
 # and still be kept, while full batches can serve the arrivals of the last few seconds
 _DRIFT_MAX = 4.0  # one batch moves the average by at most this factor (a stall is not a trend)
@@ -126,6 +134,7 @@ class AdaptiveState(Shedding):
         self.decisions = DecisionLog()  # why each request was refused or shed
         self._log_drift = 0.0  # log of the recent measured / predicted batch time
         self._log_queue_drift = 0.0  # the same over more batches (`queue_drift`)
+        self._ratios: deque[float] = deque(maxlen=_SPREAD_WINDOW)  # measured / predicted
         # CPU per request outside the model call, on the `cores` the model shares (measured
         # live by the engine; the simulator sets the cost model's)
         self.request_cpu = RequestCpu(cores)
@@ -204,6 +213,7 @@ class AdaptiveState(Shedding):
             # the window's fit follows a change of speed (another process on the cores) only
             # over dozens of batches, the shedding decisions at once
             ratio = min(_DRIFT_MAX, max(1 / _DRIFT_MAX, seconds / predicted))
+            self._ratios.append(ratio)
             self._log_drift += _DRIFT_ALPHA * (math.log(ratio) - self._log_drift)
             full = not 0 <= lane < len(self.drain_rows) or size >= self.drain_rows[lane]
             if full:
@@ -557,6 +567,9 @@ class AdaptiveState(Shedding):
                 **self.cost.describe(),
                 "recent_drift": self.drift,
                 "queue_drift": self.queue_drift,
+                # quantiles of the last batches' measured / predicted time, mean 1 (empty
+                # before 30 batches): how much one batch's time varies around the fit
+                "batch_spread": spread_quantiles(self._ratios),
             },
             "merges": [
                 {"from": labels[a] if a < len(labels) else str(a), "into": labels[b], "n": n}

@@ -11,18 +11,44 @@ generic CPU guess when there is none) enters as pseudo-observations at typical s
 `prior_weight` batches in all: it decides while there is little data and fades as the window
 fills. Coefficients are kept non-negative (a term fitted negative is dropped and the rest
 refitted), so predictions never fall as a batch grows. Pure: no clock.
+
+`spread_quantiles` says how much measured batch times vary around a prediction (the quantiles
+of measured / predicted, scaled to mean 1): what a simulator draws each batch's time from, so
+its tails are the server's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["GENERIC_PRIOR", "PROFILE_PRIOR_WEIGHT", "CostCoefficients", "OnlineCostModel"]
+__all__ = [
+    "GENERIC_PRIOR",
+    "PROFILE_PRIOR_WEIGHT",
+    "SPREAD_MIN_SAMPLES",
+    "SPREAD_POINTS",
+    "CostCoefficients",
+    "OnlineCostModel",
+    "spread_quantiles",
+]
+
+SPREAD_POINTS = 21  # quantiles at probabilities 0, 0.05, ..., 1
+SPREAD_MIN_SAMPLES = 30  # fewer samples than this give no spread
+
+
+def spread_quantiles(ratios: Iterable[float]) -> list[float]:
+    """`SPREAD_POINTS` quantiles (probabilities 0 to 1, evenly spaced) of measured / predicted
+    batch times `ratios`, scaled to mean 1 and rounded to 4 digits; empty with fewer than
+    `SPREAD_MIN_SAMPLES` samples or a mean that is not positive."""
+    x = np.asarray(list(ratios), dtype=np.float64)
+    if len(x) < SPREAD_MIN_SAMPLES or not x.mean() > 0:
+        return []
+    q = np.quantile(x / x.mean(), np.linspace(0.0, 1.0, SPREAD_POINTS))
+    return [round(float(v), 4) for v in q]
 
 
 @dataclass(frozen=True, slots=True)

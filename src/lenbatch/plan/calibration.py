@@ -22,7 +22,8 @@ A cost model from `lenbatch profile` times the model alone, back to back. A live
   (nothing else in flight from their sending to their answer) were each one batch of one row,
   and their latency, less the server's median queue wait and the per-request time above, over
   the fit's time for their length gives one sample each of live / predicted. Its quantiles,
-  scaled to mean 1, are `batch_spread` (at least 30 such requests, else none). The fit gives
+  scaled to mean 1, are `batch_spread` (`core.costfit.spread_quantiles`: at least 30 such
+  requests, else none). The fit gives
   the mean batch; the spread gives the tail that a light load's P95 is made of.
 
 * CPU time per request outside the model, on the same cores: the server's event-loop thread
@@ -46,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from lenbatch.core.costfit import spread_quantiles
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.serving.metrics import bucket_totals, bucket_work
 
@@ -139,16 +141,12 @@ def measure_overhead(
     )
 
 
-SPREAD_POINTS = 21  # quantiles at probabilities 0, 0.05, ..., 1
-SPREAD_MIN_REQUESTS = 30  # requests that ran alone needed for a spread
-
-
 def _batch_spread(
     run: Mapping[str, Any], cost: CostModel, scale: float, constant: float, request_s: float
 ) -> tuple[tuple[float, ...], int]:
     """(quantiles of live / fitted batch time, mean 1; requests they come from) over the
     requests of `run` that ran alone (see the module docstring); no quantiles when the record
-    has no lengths or fewer than `SPREAD_MIN_REQUESTS` requests ran alone."""
+    has no lengths or too few requests ran alone (`core.costfit.spread_quantiles`)."""
     result = run["result"]
     lengths = result.get("lengths")
     if lengths is None:
@@ -165,17 +163,11 @@ def _batch_spread(
     alone = np.zeros(len(sent), dtype=bool)
     alone[order] = alone_sorted
     alone &= ok & np.isfinite(done)
-    if int(alone.sum()) < SPREAD_MIN_REQUESTS:
-        return (), int(alone.sum())
     wait = float(result.get("stats_after", {}).get("queue_wait_p50_ms") or 0.0) / 1000.0
     n = np.asarray(lengths, dtype=np.float64)[alone]
     fitted = scale * np.array([cost.latency(1, x) for x in n]) + constant
     live = done[alone] - sent[alone] - wait - request_s
-    ratio = np.maximum(live, 0.0) / fitted
-    if ratio.mean() <= 0:
-        return (), int(alone.sum())
-    q = np.quantile(ratio / ratio.mean(), np.linspace(0.0, 1.0, SPREAD_POINTS))
-    return tuple(round(float(x), 4) for x in q), int(alone.sum())
+    return tuple(spread_quantiles(np.maximum(live, 0.0) / fitted)), int(alone.sum())
 
 
 def _batch_rows(

@@ -182,6 +182,8 @@ def cost_from_stats(stats: Mapping[str, Any], url: str) -> CostModel:
         fit_error=float(err) if err is not None else float("nan"),
         cpu_per_request_s=float(cpu.get("cpu_per_request_ms", 0.0)) / 1000,
         cpu_cores=int(cpu.get("cores", 1)),
+        # how much one batch's time varied around the fit (servers before it: none)
+        batch_spread=[float(x) for x in model.get("batch_spread") or []],
         calibration=(
             f"online fit read from {url}/stats ({observed} batches, window "
             f"{model.get('window', '?')}, prior {model.get('prior', '?')})"
