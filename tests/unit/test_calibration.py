@@ -297,6 +297,32 @@ def test_calibrate_command_names_the_runs_when_the_source_is_unknown(
     assert "no lenbatch run 'fifo'" in err and "bucketed@x0.25" in err
 
 
+def test_calibrate_checks_the_cost_file_at_the_served_thread_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cost model measured here with the threads per batch the bench's servers ran (their
+    /stats `workers`) calibrates without a warning, whatever this process's thread count;
+    one measured with other threads still gets one."""
+    import dataclasses
+
+    from lenbatch.runners.hardware import processor_key
+
+    report = _report(tmp_path)
+    served = 7  # not this process's thread count
+    for path in (report / "runs").glob("bucketed*.json"):
+        record = json.loads(path.read_text())
+        record["result"]["stats_after"]["workers"] = {"batches_at_once": 2, "torch_threads": served}
+        path.write_text(json.dumps(record))
+    for threads, warned in ((served, False), (served + 1, True)):
+        cost = dataclasses.replace(COST, processor=processor_key("cpu", threads))
+        cost.save(tmp_path / "cost.json")
+        assert main(["calibrate", str(report), "--cost", str(tmp_path / "cost.json")]) == 0
+        err = capsys.readouterr().err
+        assert ("warning:" in err) is warned, err
+        if warned:
+            assert f"threads {served + 1} vs {served}" in err
+
+
 def test_cpu_per_request_is_separated_from_idle_cpu_over_runs_at_two_rates() -> None:
     """Two runs of the same server: 25 requests in 25 s and 25 in 100 s. With 0.01 cores of
     idle loop CPU and 20 ms per request (driver: 0.02 cores, 40 ms), the fit recovers both;
