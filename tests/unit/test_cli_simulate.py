@@ -70,6 +70,19 @@ def test_text_report_names_the_default_boundaries_and_mapping(
         assert f"{name}, per bucket" in out
 
 
+def test_text_report_says_how_batch_times_vary(
+    files: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cost-model line says whether batch times are drawn from a calibrated spread."""
+    trace, cost = files
+    assert main(["simulate", trace, "--cost", cost, "--strategy", "fifo"]) == 0
+    assert "every batch takes its predicted time (no calibrated spread)" in capsys.readouterr().out
+    spread = tmp_path / "spread.json"
+    CostModel(const=0.01, per_token=1e-5, model="test", batch_spread=[0.5, 1.0, 1.5]).save(spread)
+    assert main(["simulate", trace, "--cost", str(spread), "--strategy", "fifo"]) == 0
+    assert "drawn from x0.60-x1.40 its prediction (P10-P90), seed 0" in capsys.readouterr().out
+
+
 def test_config_file_and_flags_merge_like_serve(
     files: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -151,7 +151,7 @@ class SimContext:
             f"model limit: {self.max_length} tokens; longer inputs are "
             + ("truncated" if self.truncate else "rejected (413)"),
             f"cost model: {self.cost_path} ({self.cost.model or 'unnamed'} on "
-            f"{self.cost.device}; fit error {self.cost.fit_error:.1%})",
+            f"{self.cost.device}; fit error {self.cost.fit_error:.1%}{_spread_note(self.cost)})",
             f"batching: max_batch={b.max_batch} max_wait_ms={b.max_wait_ms:g} "
             f"max_batch_tokens={b.max_batch_tokens} concurrency={b.max_concurrent_batches} "
             f"prefetch={b.prefetch_batches}",
@@ -271,3 +271,13 @@ def per_bucket(run: SimRun, title: str | None = None) -> str:
     for row in [head, *body]:
         lines.append("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
     return "\n".join(lines)
+
+
+def _spread_note(cost: CostModel) -> str:
+    """How the simulated batch times vary, for the report's cost-model line."""
+    if not cost.batch_spread:
+        return "; every batch takes its predicted time (no calibrated spread)"
+    return (
+        f"; each batch's time drawn from x{cost.spread_factor(0.1):.2f}-"
+        f"x{cost.spread_factor(0.9):.2f} its prediction (P10-P90), seed 0"
+    )
