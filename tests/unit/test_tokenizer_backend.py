@@ -1,6 +1,6 @@
-"""`TextTokenizer` calls a fast tokenizer's Rust backend directly for single texts: its ids must
-be transformers' own, cut or whole, on real text, for an encoder's (MiniLM, head side) and a
-causal LM's (SmolLM2, tail side) tokenizer."""
+"""`TextTokenizer` calls a fast tokenizer's Rust backend directly (`encode` for one text,
+`encode_batch` for several): its ids must be transformers' own, cut or whole, on real text,
+for an encoder's (MiniLM, head side) and a causal LM's (SmolLM2, tail side) tokenizer."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def test_encoder_backend_equals_transformers(minilm: object) -> None:
     cut = text.tokenize(texts, truncate=True)
     assert cut == _reference(minilm, texts, 128)
     assert max(len(ids) for ids in cut) == 128  # the long text was cut, to the limit
+    # one text per call (most requests): the backend's single-text path, the same ids
+    assert [text.tokenize([t])[0] for t in texts] == _reference(minilm, texts, None)
+    assert [text.tokenize([t], truncate=True)[0] for t in texts] == cut
 
 
 def test_the_backend_copies_leave_the_tokenizer_as_it_was(minilm: object) -> None:
@@ -74,3 +77,5 @@ def test_causal_backend_equals_transformers() -> None:
     assert text.tokenize(texts) == whole
     # tail side: the last max_length - 1 tokens of the whole encoding
     assert text.tokenize(texts, truncate=True) == [ids[-99:] for ids in whole]
+    assert [text.tokenize([t])[0] for t in texts] == whole
+    assert [text.tokenize([t], truncate=True)[0] for t in texts] == [ids[-99:] for ids in whole]

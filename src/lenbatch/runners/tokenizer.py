@@ -176,6 +176,10 @@ class TextTokenizer:
     def _encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
         backend = self._cutting if truncate else self._whole
         if backend is not None:
+            if len(texts) == 1:
+                # one text (most calls): `encode` runs on this thread, where `encode_batch`
+                # goes through the library's thread pool even for one text
+                return [backend.encode(texts[0], add_special_tokens=True).ids]
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
         enc = self.tokenizer(
             texts,
