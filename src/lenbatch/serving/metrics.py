@@ -8,32 +8,17 @@ recent samples (for `/stats` percentiles). Padding waste is token-weighted:
 `Series` (a recorder's own registry, one call per series) and the window and percentile helpers
 are how every recorder declares and reads its figures: `Metrics` here, the generation figures
 (`lenbatch.generate.metrics`).
-
-A series is a `Family`: plain numbers that a request's path adds to, turned into Prometheus
-metric families only when `/metrics` is read. prometheus_client's own counters, gauges and
-histograms take a lock and several Python calls per update; a one-input request made about a
-dozen, and with them made no-ops, the event loop's CPU per request fell by 8-11 % (three
-alternated rounds in process, AMD EPYC family 25 model 1, 2 cores). Every update is made on the
-event loop's thread (the engines' loops and their deliveries), so the numbers need no lock.
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lenbatch.core.totals import percentile
 from lenbatch.runners.allocator import allocator_in_use
@@ -43,7 +28,6 @@ __all__ = [
     "BATCH_BUCKETS",
     "LATENCY_BUCKETS",
     "BucketWork",
-    "Family",
     "Metrics",
     "Series",
     "bucket_totals",
@@ -81,118 +65,6 @@ def mean_ms(values: Sequence[float]) -> float | None:
     return 1000 * sum(values) / len(values) if values else None
 
 
-class _Value:
-    """A counter's or gauge's number for one set of label values."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Add `amount` (a counter: never negative, as Prometheus defines it)."""
-        self.value += amount
-
-    def set(self, value: float) -> None:
-        """Replace the number (a gauge)."""
-        self.value = float(value)
-
-
-class _Counts:
-    """A histogram's bucket counts and sum for one set of label values."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        """Count `amount` in the first bucket whose upper bound holds it."""
-        self.counts[bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
-
-
-class Family:
-    """One Prometheus series and its children by label values: `labels(*values)` gives the
-    child to `inc`, `set` or `observe`; a series without labels is updated directly."""
-
-    def __init__(
-        self, kind: str, name: str, doc: str, labels: Sequence[str], bounds: Sequence[float] = ()
-    ) -> None:
-        self.kind = kind  # counter, gauge or histogram
-        self.name = name
-        self.doc = doc
-        self.labelnames = tuple(labels)
-        self.bounds = tuple(float(b) for b in bounds)
-        self.children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: Any) -> Any:
-        """The child for these label values (created at first use)."""
-        child = self.children.get(values)  # label values are strings: found as given
-        if child is None:
-            key = tuple(str(v) for v in values)
-            child = self.children.get(key)
-        if child is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames}, given {key}")
-            child = self.children[key] = _Counts(self.bounds) if self.bounds else _Value()
-        return child
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Add to a series without labels."""
-        self.labels().inc(amount)
-
-    def set(self, value: float) -> None:
-        """Set a gauge without labels."""
-        self.labels().set(value)
-
-    def observe(self, amount: float) -> None:
-        """Count one observation of a histogram without labels."""
-        self.labels().observe(amount)
-
-    def collect(self) -> Metric:
-        """The series as a Prometheus metric family (a series without labels reads 0 until
-        updated, as prometheus_client's own do)."""
-        if not self.labelnames:
-            self.labels()
-        names = list(self.labelnames)
-        if self.kind == "histogram":
-            hist = HistogramMetricFamily(self.name, self.doc, labels=names)
-            les = [*(_le(b) for b in self.bounds), "+Inf"]
-            for key, h in self.children.items():
-                running, buckets = 0, []
-                for le, n in zip(les, h.counts, strict=True):
-                    running += n
-                    buckets.append((le, float(running)))
-                hist.add_metric(list(key), buckets, h.sum)
-            return hist
-        family: Metric
-        if self.kind == "counter":
-            family = CounterMetricFamily(self.name, self.doc, labels=names)
-        else:
-            family = GaugeMetricFamily(self.name, self.doc, labels=names)
-        for key, v in self.children.items():
-            family.add_metric(list(key), v.value)
-        return family
-
-
-def _le(bound: float) -> str:
-    """A bucket bound as prometheus_client writes it (`0.005`, `1.0`)."""
-    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
-
-
-class _Collector:
-    """Every family of one `Series`, in the order they were declared, for its registry."""
-
-    def __init__(self, families: list[Family]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterable[Metric]:
-        return [f.collect() for f in self.families]
-
-
 class Series:
     """A recorder's Prometheus series, in a registry of its own (so one engine's figures never
     mix with another's); each series is declared by one call."""
@@ -200,33 +72,32 @@ class Series:
     def __init__(self, seconds: Sequence[float] = LATENCY_BUCKETS) -> None:
         self.registry = CollectorRegistry()
         self.seconds = tuple(seconds)  # a histogram's buckets unless it is given its own
-        self._families: list[Family] = []
-        self.registry.register(_Collector(self._families))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def _add(self, family: Family) -> Family:
-        if any(f.name == family.name for f in self._families):
-            raise ValueError(f"series {family.name} declared twice")
-        self._families.append(family)
-        return family
-
-    def counter(self, name: str, doc: str, *labels: str) -> Family:
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
         """A counter, labelled by `labels`."""
-        return self._add(Family("counter", name, doc, labels))
+        return Counter(name, doc, labels, registry=self.registry)
 
-    def gauge(self, name: str, doc: str, *labels: str) -> Family:
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         """A gauge, labelled by `labels`."""
-        return self._add(Family("gauge", name, doc, labels))
+        return Gauge(name, doc, labels, registry=self.registry)
 
     def histogram(
         self, name: str, doc: str, *labels: str, buckets: Sequence[float] | None = None
-    ) -> Family:
+    ) -> Histogram:
         """A histogram of `buckets` (by default `seconds`), labelled by `labels`."""
         bounds = self.seconds if buckets is None else buckets
-        return self._add(Family("histogram", name, doc, labels, bounds))
+        return Histogram(name, doc, labels, buckets=bounds, registry=self.registry)
 
-    def child(self, series: Family, *values: str) -> Any:
-        """`series.labels(*values)`."""
-        return series.labels(*values)
+    def child(self, series: Counter | Gauge | Histogram, *values: str) -> Any:
+        """`series.labels(*values)`, looked up once: prometheus_client's `labels()` checks and
+        locks on every call (about 20 per request on the hot path before), and the label
+        values are few (buckets, statuses), so the children are kept."""
+        key = (id(series), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = series.labels(*values)
+        return found
 
     def prometheus(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -242,9 +113,6 @@ class _LaneStats:
     exec_s: float = 0.0
     waits: deque[float] = field(default_factory=window)
     latencies: deque[float] = field(default_factory=window)
-    # the lane's children of the per-batch and per-request series, looked up once: batch size,
-    # real tokens, padded tokens, batch waste, waste, execution time, queue wait, latency
-    series: tuple[Any, ...] = ()
 
 
 class Metrics(Series):
@@ -325,7 +193,7 @@ class Metrics(Series):
         self.by_priority = c(
             "lenbatch_priority_requests", "Admitted inputs by priority level", "level"
         )
-        self._lanes = self._new_lanes()
+        self._lanes = [_LaneStats() for _ in self.labels]
         self._all_latencies = window()
         self._status_counts: dict[str, int] = {}
         self._rejections: dict[str, int] = {}
@@ -344,6 +212,7 @@ class Metrics(Series):
         queue_waits: Sequence[float],
     ) -> None:
         """One batch ran: its size, tokens, execution time and each member's queue wait."""
+        label = self.labels[lane]
         s = self._lanes[lane]
         s.batches += 1
         s.requests += size
@@ -351,39 +220,25 @@ class Metrics(Series):
         s.padded_tokens += padded
         s.exec_s += exec_s
         s.waits.extend(queue_waits)
-        sizes, reals, paddeds, batch_waste, waste, exec_time, wait, _ = s.series
-        sizes.observe(size)
-        reals.inc(real)
-        paddeds.inc(padded)
-        batch_waste.observe(1 - real / padded if padded else 0.0)
-        waste.set(1 - s.real_tokens / s.padded_tokens if s.padded_tokens else 0)
-        exec_time.observe(exec_s)
+        child = self.child
+        child(self.batch_size, label).observe(size)
+        child(self.real_tokens, label).inc(real)
+        child(self.padded_tokens, label).inc(padded)
+        child(self.batch_waste, label).observe(1 - real / padded if padded else 0.0)
+        child(self.waste, label).set(1 - s.real_tokens / s.padded_tokens if s.padded_tokens else 0)
+        child(self.exec_time, label).observe(exec_s)
+        hist = child(self.queue_wait, label)
         for w in queue_waits:
-            wait.observe(w)
-
-    def _new_lanes(self) -> list[_LaneStats]:
-        """Fresh per-lane figures for `self.labels`, with their series' children."""
-        per_lane = (
-            self.batch_size,
-            self.real_tokens,
-            self.padded_tokens,
-            self.batch_waste,
-            self.waste,
-            self.exec_time,
-            self.queue_wait,
-            self.latency,
-        )
-        return [_LaneStats(series=tuple(f.labels(b) for f in per_lane)) for b in self.labels]
+            hist.observe(w)
 
     def record_request(self, lane: int, latency_s: float | None, status: str) -> None:
         """One input was answered (`latency_s` None when it never ran)."""
         label = self.labels[lane] if 0 <= lane < len(self.labels) else "none"
-        self.requests.labels(label, status).inc()
+        self.child(self.requests, label, status).inc()
         self._status_counts[status] = self._status_counts.get(status, 0) + 1
         if latency_s is not None and status == "ok":
-            s = self._lanes[lane]
-            s.series[-1].observe(latency_s)
-            s.latencies.append(latency_s)
+            self.child(self.latency, label).observe(latency_s)
+            self._lanes[lane].latencies.append(latency_s)
             self._all_latencies.append(latency_s)
 
     def record_rejection(self, reason: str) -> None:
@@ -457,7 +312,7 @@ class Metrics(Series):
         start empty; Prometheus keeps the old lanes' series)."""
         self.refits.inc()
         self.labels = list(lane_labels)
-        self._lanes = self._new_lanes()
+        self._lanes = [_LaneStats() for _ in self.labels]
 
     def set_adaptive(self, state: dict[str, Any]) -> None:
         """Gauges from `AdaptiveState.describe()` (read at each scrape)."""
