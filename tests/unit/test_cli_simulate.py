@@ -83,6 +83,25 @@ def test_text_report_says_how_batch_times_vary(
     assert "drawn from x0.60-x1.40 its prediction (P10-P90), seed 0" in capsys.readouterr().out
 
 
+def test_the_seed_chooses_the_draws_from_the_spread(
+    files: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a calibrated spread the same --seed gives the same run and another seed another;
+    without one every seed gives the model's run."""
+    trace, cost = files
+    spread = tmp_path / "spread.json"
+    CostModel(const=0.01, per_token=1e-5, model="test", batch_spread=[0.5, 1.0, 1.5]).save(spread)
+
+    def p50(path: str, seed: int) -> float:
+        argv = ["simulate", trace, "--cost", path, "--strategy", "fifo", "--json"]
+        assert main([*argv, "--seed", str(seed)]) == 0
+        return float(json.loads(capsys.readouterr().out)["p50_ms"])
+
+    assert p50(str(spread), 3) == p50(str(spread), 3)
+    assert len({p50(str(spread), s) for s in range(4)}) > 1
+    assert p50(cost, 0) == p50(cost, 5)
+
+
 def test_config_file_and_flags_merge_like_serve(
     files: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

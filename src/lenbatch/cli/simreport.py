@@ -64,6 +64,15 @@ def add_sim_options(p: argparse.ArgumentParser) -> None:
         help="truncate inputs over the model limit instead of rejecting them",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the draws of each batch's time from the cost model's calibrated spread "
+        "(`lenbatch calibrate`; a cost model without one gives the same run for every seed; "
+        "default 0)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -109,6 +118,7 @@ class SimContext:
     max_length: int
     truncate: bool
     cost_path: str
+    seed: int = 0  # of the draws from the cost model's batch spread
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimContext:
@@ -130,6 +140,7 @@ class SimContext:
             settings.model.max_length or MINILM_MAX_LENGTH,
             settings.model.truncate,
             args.cost,
+            getattr(args, "seed", 0),
         )
 
     def simulate(self, batching: BatchingConfig, scale: float = 1.0) -> SimRun:
@@ -137,7 +148,7 @@ class SimContext:
         t = map_trace(self.trace, rate_scale=scale) if scale != 1.0 else self.trace
         return simulate(
             t, self.cost, batching, self.settings.admission, max_length=self.max_length,
-            truncate=self.truncate, adaptive=self.settings.adaptive,
+            truncate=self.truncate, adaptive=self.settings.adaptive, seed=self.seed,
         )  # fmt: skip
 
     def header(self) -> str:
@@ -151,7 +162,8 @@ class SimContext:
             f"model limit: {self.max_length} tokens; longer inputs are "
             + ("truncated" if self.truncate else "rejected (413)"),
             f"cost model: {self.cost_path} ({self.cost.model or 'unnamed'} on "
-            f"{self.cost.device}; fit error {self.cost.fit_error:.1%}{_spread_note(self.cost)})",
+            f"{self.cost.device}; fit error {self.cost.fit_error:.1%}"
+            f"{_spread_note(self.cost, self.seed)})",
             f"batching: max_batch={b.max_batch} max_wait_ms={b.max_wait_ms:g} "
             f"max_batch_tokens={b.max_batch_tokens} concurrency={b.max_concurrent_batches} "
             f"prefetch={b.prefetch_batches}",
@@ -273,11 +285,11 @@ def per_bucket(run: SimRun, title: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def _spread_note(cost: CostModel) -> str:
+def _spread_note(cost: CostModel, seed: int) -> str:
     """How the simulated batch times vary, for the report's cost-model line."""
     if not cost.batch_spread:
         return "; every batch takes its predicted time (no calibrated spread)"
     return (
         f"; each batch's time drawn from x{cost.spread_factor(0.1):.2f}-"
-        f"x{cost.spread_factor(0.9):.2f} its prediction (P10-P90), seed 0"
+        f"x{cost.spread_factor(0.9):.2f} its prediction (P10-P90), seed {seed}"
     )

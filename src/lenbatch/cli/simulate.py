@@ -123,6 +123,7 @@ def _run_sweep(args: argparse.Namespace, ctx: SimContext, strategies: list[Strat
         max_length=ctx.max_length,
         truncate=ctx.truncate,
         progress=progress,
+        seed=ctx.seed,
     )
     if args.plot:
         plot_sweep(result, args.plot)

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         waits_ms=args.waits_ms,
         batches=args.batches,
         progress=progress,
+        seed=ctx.seed,
     )
     text = _config_file(res, ctx)
     if args.out:

@@ -173,6 +173,7 @@ class Probe:
     slo_p95_ms: float
     max_length: int = 256
     truncate: bool = False
+    seed: int = 0  # of the draws from the cost model's batch spread
 
     @property
     def base_rps(self) -> float:
@@ -184,7 +185,7 @@ class Probe:
         t = map_trace(self.trace, rate_scale=scale) if scale != 1.0 else self.trace
         run: SimRun = simulate(
             t, self.cost, batching, self.admission, max_length=self.max_length,
-            truncate=self.truncate,
+            truncate=self.truncate, seed=self.seed,
         )  # fmt: skip
         summ = run.summary()
         offered = self.base_rps * scale
@@ -205,12 +206,14 @@ def sweep(
     max_length: int = 256,
     truncate: bool = False,
     progress: Progress | None = None,
+    seed: int = 0,
 ) -> SweepResult:
     """Simulate `trace` at each rate scale (default: `default_rates`) for each strategy, then
-    bisect `refine` times below the first unsustainable rate above the best sustainable one."""
+    bisect `refine` times below the first unsustainable rate above the best sustainable one
+    (`seed`: of the draws from the cost model's batch spread, `plan.sim.simulate`)."""
     if slo_p95_ms <= 0:
         raise ValueError(f"the SLO must be positive, got {slo_p95_ms} ms")
-    probe = Probe(trace, cost, admission, slo_p95_ms, max_length, truncate)
+    probe = Probe(trace, cost, admission, slo_p95_ms, max_length, truncate, seed)
     base = probe.base_rps
     orc = oracle_for(trace.input_lengths, cost, batching, max_length=max_length, truncate=truncate)
     grid = sorted(rates) if rates else default_rates(base, orc.throughput_rps)

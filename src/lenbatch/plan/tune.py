@@ -209,13 +209,15 @@ def tune(
     batches: Sequence[int] = DEFAULT_BATCHES,
     bisect_steps: int = BISECT_STEPS,
     progress: Progress | None = None,
+    seed: int = 0,
 ) -> TuneResult:
     """Search boundaries, max wait and max batch per bucket for the bucketed strategy (see the
     module docstring); `base` supplies everything not searched (token budget, concurrency,
-    prefetch, overlong quota) and is the starting point."""
+    prefetch, overlong quota) and is the starting point. `seed`: of the draws from the cost
+    model's batch spread (`plan.sim.simulate`)."""
     if slo_p95_ms <= 0:
         raise ValueError(f"the SLO must be positive, got {slo_p95_ms} ms")
-    probe = Probe(trace, cost, admission, slo_p95_ms, max_length, truncate)
+    probe = Probe(trace, cost, admission, slo_p95_ms, max_length, truncate, seed)
     # Spell out the engine's default boundaries so every candidate has explicit ones.
     bounds0 = base.boundaries or default_boundaries(max_length)
     base = base.model_copy(update={"strategy": Strategy.BUCKETED, "boundaries": bounds0})
