@@ -274,6 +274,7 @@ def test_calibrate_command_measures_the_lightest_bucketed_run_and_writes_the_cos
     assert "batches x1.00 the model's time +6.0 ms" in printed
     assert "+10.0 ms per request" in printed
     assert "60.0 ms CPU per request** outside the model on 2 cores" in printed
+    assert "no spread of batch times (25 requests ran alone, 30 needed" in printed
     rows = [line for line in printed.splitlines() if line.startswith("| bucketed")]
     assert [r.split(" |")[0] for r in rows] == ["| bucketed@x0.25 (measured here)", "| bucketed"]
     assert md.read_text() in printed
@@ -426,3 +427,13 @@ def test_the_simulator_draws_each_batch_time_from_the_spread_repeatably() -> Non
     assert not np.array_equal(first, simulate(t, spread, cfg, seed=1).execs)
     lat = np.asarray(simulate(t, spread, cfg).latencies)
     assert np.percentile(lat, 95) > 0.01 + 0.12  # the tail of the draws, not the model's 0.1
+
+
+def test_the_calibration_table_says_how_much_a_batch_varies() -> None:
+    from lenbatch.cli.calibrate import _spread_text
+
+    record, _ = _spread_record(1.1 + 0.3 * np.linspace(-1, 1, 41) ** 3)
+    o = measure_overhead(record, COST)
+    text = _spread_text(o)
+    assert f"**a batch x{o.batch_spread[2]:.2f}-x{o.batch_spread[18]:.2f} its predicted" in text
+    assert "over 41 requests that ran alone" in text

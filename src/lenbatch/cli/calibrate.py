@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from lenbatch.cli.common import load_cost_model
-from lenbatch.plan.calibration import ServingOverhead, calibrated, measure_overhead
+from lenbatch.plan.calibration import (
+    ServingOverhead,
+    calibrated,
+    measure_overhead,
+    spread_p10_p90,
+)
 from lenbatch.plan.costmodel import CostModel
 
 __all__ = ["Calibration", "calibrate_report", "register", "run"]
@@ -128,6 +133,23 @@ def _given(cost: CostModel) -> str:
     )
 
 
+def _spread_text(overhead: ServingOverhead) -> str:
+    """How much one batch's time varied around the fit, for the table's heading."""
+    q = overhead.batch_spread
+    if not q:
+        return (
+            f"no spread of batch times ({overhead.spread_requests} requests ran alone, "
+            "30 needed, or the runs have no lengths): the simulator gives every batch its "
+            "predicted time"
+        )
+    p10, p90 = spread_p10_p90(q)
+    return (
+        f"**a batch x{p10:.2f}-x{p90:.2f} its predicted time** (P10-P90 over "
+        f"{overhead.spread_requests} requests that ran alone; the simulator draws each batch's "
+        "time from it)"
+    )
+
+
 def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
@@ -168,9 +190,9 @@ def calibrate_report(
         "bucket against the cost model's for the same batch shapes, fitted over "
         f"{overhead.batches} batches of {overhead.batch_runs} `{runs[source]['name']}` "
         f"run(s)), **+{1000 * overhead.request_s:.1f} ms per request** "
-        f"(client median latency minus the server's own, {overhead.requests} requests), and "
-        f"{cpu_text}. Each lenbatch run simulated with the given cost model ({_given(cost)}) "
-        "and with these overheads instead:",
+        f"(client median latency minus the server's own, {overhead.requests} requests), "
+        f"{cpu_text}, and {_spread_text(overhead)}. Each lenbatch run simulated with the given "
+        f"cost model ({_given(cost)}) and with these overheads instead:",
         "",
         "| run | P50 ms given / calibrated / live | P50 diff given / cal. | "
         "P95 ms given / calibrated / live | P95 diff given / cal. | "

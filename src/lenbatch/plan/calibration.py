@@ -51,7 +51,7 @@ from lenbatch.core.costfit import spread_quantiles
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.serving.metrics import bucket_totals, bucket_work
 
-__all__ = ["ServingOverhead", "calibrated", "measure_overhead"]
+__all__ = ["ServingOverhead", "calibrated", "measure_overhead", "spread_p10_p90"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,11 @@ def measure_overhead(
         batch_spread=spread,
         spread_requests=alone,
     )
+
+
+def spread_p10_p90(spread: Sequence[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of a `batch_spread` (21 quantiles, 0 to 100 %)."""
+    return spread[len(spread) // 10], spread[-1 - len(spread) // 10]
 
 
 def _batch_spread(
@@ -261,7 +266,7 @@ def calibrated(
         note += f", {1000 * cpu:.1f} ms CPU per request ({who}) on {overhead.cores} cores"
     spread = overhead.batch_spread
     if spread:
-        p10, p90 = spread[len(spread) // 10], spread[-1 - len(spread) // 10]
+        p10, p90 = spread_p10_p90(spread)
         note += (
             f"; a batch x{p10:.2f}-x{p90:.2f} its predicted time (P10-P90 over "
             f"{overhead.spread_requests} requests that ran alone)"
