@@ -282,5 +282,9 @@ def test_bfloat16_and_int8_agreement(
         f"{dtype} {quantization} {execution}: max abs diff of scores vs CrossEncoder fp32 "
         f"{diff:.2e}"
     )
-    assert diff <= 0.05
+    # Measured: bf16 2.6e-3 (Zen 4); int8 3.3e-2 to 5.4e-2 over two CPUs (a Zen 3, a Zen 4) and
+    # both code paths (C++ row passes or torch ops). A random head turns int8's ~0.99 cosine into
+    # about a tenth of the logits' range, so its bound is the looser.
+    bound = 0.08 if quantization == "int8" else 0.01
+    assert diff <= bound
     assert int(np.argmax(scores)) == int(np.argmax(reference[0]))
