@@ -13,6 +13,8 @@ The recipes are in `bench/recipes.py` (one function each, defaults from the comm
 made), their steps in `bench/steps.py`, the tables they print in `bench/tables.py`. The runner
 holds an exclusive lock on /tmp/lenbatch-bench.lock while a recipe runs, so two benchmarks never
 share the CPU: do not wrap it in `flock` (or pass `--no-lock` when the caller holds the lock).
+`lenbatch bench` takes the same lock by itself; the recipe's steps see
+`LENBATCH_BENCH_LOCK_HELD=1` and do not take it again.
 Every command runs from the repository root, offline (no model hub), with the lenbatch of this
 tree (`PYTHONPATH=src`) or of `--src DIR` / `--rev REV`. bench/README.md lists the recipes with
 what they measure, how long they take and what they need.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import shlex
 import subprocess
@@ -34,12 +35,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its modules, when imported
 
 import tables
+from lenbatch.replay.cpulock import LOCK, exclusive_cpu
 from recipes import COST, RECIPES
 from steps import ROOT, Action, Step
 
 __all__ = ["LOCK", "build_parser", "main", "plan"]
 
-LOCK = Path("/tmp/lenbatch-bench.lock")
 # Every command runs offline and without Ray's usage report.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -57,21 +58,6 @@ def table_text(kind: str, paths: Sequence[str], slo_ms: float, cost: str) -> str
         return "\n\n".join(tables.before_after_table(p) for p in files)
     runs = [tables.AdaptiveRun.parse(p) for p in paths]
     return tables.adaptive_live_table(runs, Path(cost), slo_ms)
-
-
-@contextlib.contextmanager
-def exclusive_cpu(enabled: bool) -> Iterator[None]:
-    """Hold /tmp/lenbatch-bench.lock (the lock every benchmark takes) while the block runs."""
-    if not enabled:
-        yield
-        return
-    with LOCK.open("a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"bench/run.py: waiting for {LOCK}: another benchmark runs", file=sys.stderr)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 @contextlib.contextmanager
@@ -165,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for step in [*prepare, *steps]:
                 print(step.describe())
             return 0
-        with exclusive_cpu(not args.no_lock):
+        with exclusive_cpu(not args.no_lock, "bench/run.py"):
             for step in [*prepare, *steps]:
                 print(f"bench/run.py: {step.describe()}", file=sys.stderr, flush=True)
                 step.run({**os.environ, **env})

@@ -73,12 +73,26 @@ def register(sub: Any) -> None:
         p,
         "add the simulator's prediction of each strategy's run beside the live figures, from this ",
     )
+    p.add_argument(
+        "--no-lock",
+        action="store_true",
+        help="do not take /tmp/lenbatch-bench.lock (by default a benchmark waits while another "
+        "holds it: two on the same cores measure nothing)",
+    )
     p.add_argument("--title", default=None, help="report title")
     p.add_argument("--conditions", default=None, help="a note on the conditions, in the report")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Hold the bench lock (unless `--no-lock`), then run the benchmark."""
+    from lenbatch.replay.cpulock import exclusive_cpu
+
+    with exclusive_cpu(not args.no_lock):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     """Build the traffic once, run every target, write the report."""
     from lenbatch.replay.bench import BenchConfig, lengths_summary, run_bench
     from lenbatch.replay.targets import targets_for
