@@ -313,8 +313,11 @@ async def test_first_tokens_reach_their_streams_before_the_rows_join(
     running_prompt, late_prompt = llama_runner.tokenize(PROMPTS[:2])
     await engine.start()
     try:
+        # Long enough to still be running when the late prompt is prefilled: with 40 tokens it
+        # finished first once in a full suite on a fast CPU (AMD EPYC family 25 model 17), and
+        # the late prompt then started a batch of its own, with no join to test.
         running = engine.submit(
-            running_prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            running_prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
         )
         task = asyncio.create_task(_drain(engine, [running]))
         while len(running.generated) < 2:
