@@ -1,5 +1,7 @@
-"""The `adaptive-goodput` recipe's work: capacity first, then every strategy at fractions and
-multiples of it, live beside the simulator, with adaptive's decision log (issue 24).
+"""The `adaptive-goodput` and `adaptive-sustained` recipes' work: capacity first, then every
+strategy at fractions and multiples of it, live beside the simulator, with adaptive's decision
+log (issue 24). `adaptive-sustained` replays a five times longer window at 2-4x capacity only,
+so that its overload lasts 15-30 s instead of the 2-4 s of `adaptive-goodput`'s 3x.
 
 1. **Capacity**: `bucketed` (as `make serve` configures it, 1 s SLO) replayed far past
    saturation on the dev trace window (`--length-scale 0.1 --max-length 256`); capacity is its
@@ -12,11 +14,14 @@ multiples of it, live beside the simulator, with adaptive's decision log (issue 
    prediction of each run (`--cost`: the self-calibrated model of this processor).
 3. **Bursts**: the `bursts` scenario at a mean rate of `--bursts-load` x capacity, each repeat.
 4. **Table** (`summary.md`): per rate and strategy, goodput (answers within 1 s per second of
-   offered traffic; mean and range over repeats), shed %, P95, the simulator's P95 and shed
-   with the model measured at start-up and with the one `lenbatch bench` calibrated from the
-   first repeat (`calibrated_cost.json`: the live server's overheads), adaptive's goodput over
-   the best other target's and over capacity, and the decision log's worst burst (`/stats`
-   `adaptive.decisions.worst_burst` of each adaptive server).
+   offered traffic; mean and range over repeats), the real tokens of those answers per second
+   (adaptive's also over the capacity run's tokens/s: a server that refuses long calls first
+   answers more requests than its capacity in requests, not more tokens), shed %, P95, the
+   simulator's P95 and shed with the model measured at start-up and with the one `lenbatch
+   bench` calibrated from the first repeat (`calibrated_cost.json`: the live server's
+   overheads), adaptive's goodput over the best other target's and over capacity, and the
+   decision log's worst burst (`/stats` `adaptive.decisions.worst_burst` of each adaptive
+   server).
 
 Nothing here is timed by itself: it runs `lenbatch bench` and reads what it wrote.
 """
@@ -217,7 +222,8 @@ def run_goodput(plan: GoodputPlan, env: dict[str, str]) -> None:
     if traffic_s[f"{max(plan.loads):g}"] < 3 * SLO_S:
         print(
             f"warning: {max(plan.loads):g}x capacity lasts under {3 * SLO_S:g} s of traffic: "
-            "the backlog stays within the SLO; a longer --span shows overload"
+            "the backlog stays within the SLO; a longer --span (the adaptive-sustained recipe) "
+            "shows overload that lasts"
         )
     for rep in range(1, plan.repeats + 1):
         plan.rates_cmd(sweep, cost, rep).run(env)
@@ -236,8 +242,9 @@ def write_table(
     print(text)
 
 
-def _good(record: Mapping[str, Any]) -> tuple[float, float, int]:
-    """Goodput (answers within the SLO per second of offered traffic), shed share, requests."""
+def _good(record: Mapping[str, Any]) -> tuple[float, float, int, float]:
+    """Goodput (answers within the SLO per second of offered traffic), shed share, requests,
+    and the real tokens of those answers per second of offered traffic."""
     from lenbatch.plan.summary import OUTCOME_OK
     from lenbatch.replay.results import ReplayResult
 
@@ -247,7 +254,8 @@ def _good(record: Mapping[str, Any]) -> tuple[float, float, int]:
     offered = s.get("offered_rps") or n / max(s["duration_s"], 1e-9)
     wall = n / offered
     ok = (res.outcomes == OUTCOME_OK) & (res.latencies <= SLO_S)
-    return float(ok.sum()) / wall, float(s["rejected"]) / max(n, 1), n
+    tokens = float(res.lengths[ok].sum()) / wall
+    return float(ok.sum()) / wall, float(s["rejected"]) / max(n, 1), n, tokens
 
 
 def _sim(record: Mapping[str, Any], cost_path: Path | Any, meta: Mapping[str, Any]) -> Any:
@@ -387,21 +395,24 @@ def goodput_table(out: Path, calibrated_name: str = "calibrated_cost.json") -> s
     `calibrated_name` in the first repeat's folder)."""
     meta = json.loads((out / "capacity.json").read_text(encoding="utf-8"))
     cap = float(meta["capacity_rps"])
+    # the capacity run's real tokens/s: what "capacity" is in tokens (None for older folders)
+    cap_runs = _runs(out / "capacity")
+    cap_tok = float(cap_runs[-1]["summary"]["real_tokens_per_s"]) if cap_runs else None
     rates_dirs = sorted(out.glob("rates-*"))
     calibrated = rates_dirs[0] / calibrated_name if rates_dirs else None
     if calibrated is not None and not calibrated.exists():
         calibrated = None
     sweep = [float(x) for x in str(meta["sweep"]).split(",")]
     loads = dict(zip(sweep, meta["loads"], strict=True))
-    cells: dict[tuple[float, str], list[tuple[float, float, int, float | None]]] = {}
+    cells: dict[tuple[float, str], list[tuple[float, float, int, float | None, float]]] = {}
     first: dict[tuple[float, str], dict[str, Any]] = {}
     worst: list[tuple[str, dict[str, Any]]] = []
     for folder in rates_dirs:
         last_burst = None  # the server is kept across rates: its log at the last rate
         for rec in sorted(_runs(folder), key=lambda r: float(r["rate"])):
             key = (min(sweep, key=lambda x: abs(x - float(rec["rate"]))), rec["name"])
-            good, shed, n = _good(rec)
-            cells.setdefault(key, []).append((good, shed, n, rec["summary"].get("p95_ms")))
+            good, shed, n, tokens = _good(rec)
+            cells.setdefault(key, []).append((good, shed, n, rec["summary"].get("p95_ms"), tokens))
             first.setdefault(key, rec)
             burst = _worst_burst(rec)
             if burst is not None:
@@ -410,16 +421,18 @@ def goodput_table(out: Path, calibrated_name: str = "calibrated_cost.json") -> s
             worst.append(last_burst)
     sim_meta = {"start": meta["start"], "span": meta["span"]}
     lines = [
-        f"Capacity (bucketed's completions/s far past saturation): **{cap:.1f} req/s**; the "
+        f"Capacity (bucketed's completions/s far past saturation): **{cap:.1f} req/s**"
+        f"{f' ({cap_tok:,.0f} real tok/s)' if cap_tok else ''}; the "
         f"window offers {meta['window_rps']:.2f} req/s at x1. Goodput = answers within "
         f"{SLO_S:g} s per second of offered traffic, mean (range) over {len(rates_dirs)} "
         "repeats. Predicted: `simulate` with the cost model measured at start-up "
         f"({Path(meta['cost']).name}) / with `{calibrated_name}` of the first repeat.",
         *_capacity_lines(meta),
         "",
-        "| load | target | goodput req/s | shed % | P95 ms | predicted P95 ms | predicted "
-        "shed % | adaptive / best other | adaptive / capacity |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| load | target | goodput req/s | in time, real tok/s | shed % | P95 ms | predicted "
+        "P95 ms | predicted shed % | adaptive / best other | adaptive / capacity | adaptive's "
+        "tokens in time / capacity's tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     check: list[tuple[float, str, float | None, float, str, float | None, float | None]] = []
     for rate in sweep:
@@ -445,22 +458,24 @@ def goodput_table(out: Path, calibrated_name: str = "calibrated_cost.json") -> s
                                   "/stats)", pp95_, pshed_))  # fmt: skip
             pp95 = " / ".join(_fmt(p[0]) for p in preds)
             pshed = " / ".join(_fmt(None if p[1] is None else 100 * p[1], ".1f") for p in preds)
-            ratio = vs_cap = ""
+            ratio = vs_cap = vs_cap_tok = ""
+            tokens = statistics.fmean(c[4] for c in runs)
             if name == "adaptive":
                 ratio = _fmt(goods[name] / best_other, ".2f", "x") if best_other else "–"
                 vs_cap = _fmt(goods[name] / cap, ".2f")
+                vs_cap_tok = _fmt(tokens / cap_tok, ".2f") if cap_tok else "–"
             lines.append(
                 f"| {loads[rate]:g}x | {name} | {_spread([c[0] for c in runs])} | "
-                f"{_spread([100 * c[1] for c in runs])} | "
+                f"{tokens:,.0f} | {_spread([100 * c[1] for c in runs])} | "
                 f"{_fmt(statistics.fmean(p95s) if p95s else None)} | {pp95} | {pshed} | "
-                f"{ratio} | {vs_cap} |"
+                f"{ratio} | {vs_cap} | {vs_cap_tok} |"
             )
     lines += ["", *prediction_check(check)]
     lines += ["", "Bursts scenario:", "", "| repeat | target | goodput req/s | shed % | P95 ms |",
               "|---|---|---|---|---|"]  # fmt: skip
     for folder in sorted(out.glob("bursts-*")):
         for rec in _runs(folder):
-            good, shed, _ = _good(rec)
+            good, shed, _, _ = _good(rec)
             lines.append(f"| {folder.name} | {rec['name']} | {good:.1f} | {100 * shed:.1f} | "
                          f"{_fmt(rec['summary'].get('p95_ms'))} |")  # fmt: skip
             burst = _worst_burst(rec)

@@ -297,34 +297,39 @@ def adaptive_overload(args: argparse.Namespace) -> list[Step]:
     return adaptive_steps(args, runs)
 
 
-@recipe(
-    "adaptive-goodput",
-    out("bench/results/adaptive-goodput"),
-    opt("--start", "600", "dev trace window start, seconds"),
-    opt("--span", "120", "seconds of trace time: the same requests at every rate"),
-    opt("--loads", "0.2,0.5,0.8,1.5,3", "mean rates as multiples of the measured capacity"),
-    opt("--strategies", "adaptive,bucketed,fifo", "lenbatch strategies"),
-    opt("--peers", "none", "peers as well (e.g. vllm-bf16), or 'none'"),
-    opt("--repeats", "3", "replays of every rate (and of the bursts scenario)"),
-    opt("--overload", "40", "trace-rate multiplier of the capacity run, far past saturation"),
-    opt("--bursts-load", "0.5", "the bursts scenario's mean rate, as a multiple of capacity"),
-    opt("--bursts-duration", "25", "seconds of the bursts scenario"),
-    lambda p: p.add_argument(
-        "--table-only",
-        metavar="NAME",
-        help="run nothing: rebuild the table from the runs already in --out, the predictions "
-        "by this tree's simulator, into the file NAME inside --out",
-    ),
-    opt(
-        "--calibrated",
-        "calibrated_cost.json",
-        "with --table-only: the calibrated cost model in the first repeat's folder (one "
-        "`lenbatch calibrate --out` wrote from its runs with this tree)",
-    ),
-    conditions,
-)
-def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
-    """adaptive vs bucketed vs fifo at 0.2-3x measured capacity, live beside simulate (issue 24)."""
+def goodput_options(
+    folder: str, span: str, loads: str, strategies: str, repeats: str
+) -> tuple[Options, ...]:
+    """The flags of the `adaptive-goodput` recipes (`bench/goodput.py`), with these defaults."""
+    return (
+        out(folder),
+        opt("--start", "600", "dev trace window start, seconds"),
+        opt("--span", span, "seconds of trace time: the same requests at every rate"),
+        opt("--loads", loads, "mean rates as multiples of the measured capacity"),
+        opt("--strategies", strategies, "lenbatch strategies"),
+        opt("--peers", "none", "peers as well (e.g. vllm-bf16), or 'none'"),
+        opt("--repeats", repeats, "replays of every rate (and of the bursts scenario)"),
+        opt("--overload", "40", "trace-rate multiplier of the capacity run, far past saturation"),
+        opt("--bursts-load", "0.5", "the bursts scenario's mean rate, as a multiple of capacity"),
+        opt("--bursts-duration", "25", "seconds of the bursts scenario"),
+        lambda p: p.add_argument(
+            "--table-only",
+            metavar="NAME",
+            help="run nothing: rebuild the table from the runs already in --out, the "
+            "predictions by this tree's simulator, into the file NAME inside --out",
+        ),
+        opt(
+            "--calibrated",
+            "calibrated_cost.json",
+            "with --table-only: the calibrated cost model in the first repeat's folder (one "
+            "`lenbatch calibrate --out` wrote from its runs with this tree)",
+        ),
+        conditions,
+    )
+
+
+def goodput_steps(args: argparse.Namespace) -> list[Step]:
+    """The steps of the `adaptive-goodput` recipes: the runs and their table, or the table."""
     plan = goodput.plan_from_args(args)
     if args.table_only:
         name = args.table_only
@@ -332,6 +337,26 @@ def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
         return [Action(f"table of {plan.out} into {name} (calibrated: {cal})",
                        lambda env: goodput.write_table(plan, name, cal))]  # fmt: skip
     return [Action(plan.describe(), lambda env: goodput.run_goodput(plan, env))]
+
+
+@recipe(
+    "adaptive-goodput",
+    *goodput_options(
+        "bench/results/adaptive-goodput", "120", "0.2,0.5,0.8,1.5,3", "adaptive,bucketed,fifo", "3"
+    ),
+)
+def adaptive_goodput(args: argparse.Namespace) -> list[Step]:
+    """adaptive vs bucketed vs fifo at 0.2-3x measured capacity, live beside simulate (issue 24)."""
+    return goodput_steps(args)
+
+
+@recipe(
+    "adaptive-sustained",
+    *goodput_options("bench/results/adaptive-sustained", "600", "2,3,4", "adaptive,bucketed", "1"),
+)
+def adaptive_sustained(args: argparse.Namespace) -> list[Step]:
+    """adaptive vs bucketed at 2-4x capacity for 15-30 s each: overload that lasts (issue 24)."""
+    return goodput_steps(args)
 
 
 # --- causal-LM decoding -------------------------------------------------------------------

@@ -448,6 +448,10 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
         return {"name": name, "kind": "strategy", "rate": rate, "summary": summary,
                 "result": res.to_json()}  # fmt: skip
 
+    # the capacity run's real tokens/s: what adaptive's tokens in time are set against
+    (tmp_path / "capacity" / "runs").mkdir(parents=True)
+    cap_run = {"name": "bucketed", "summary": {"real_tokens_per_s": 1000.0}}
+    (tmp_path / "capacity" / "runs" / "bucketed.json").write_text(json.dumps(cap_run), "utf-8")
     for rep in (1, 2):
         runs = tmp_path / f"rates-{rep}" / "runs"
         runs.mkdir(parents=True)
@@ -458,9 +462,12 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
                 (runs / f"{name}-x{rate:g}.json").write_text(json.dumps(rec), encoding="utf-8")
     text = goodput.goodput_table(tmp_path)
     rows = [line for line in text.splitlines() if line.startswith("| 0.5x")]
-    assert rows[0].startswith("| 0.5x | adaptive | 9.5 (9.5–9.5) | 4.0 (4.0–4.0) | 200 |")
-    assert rows[0].endswith("| 1.12x | 0.19 |")  # 9.5 / mean(9.0, 8.0); 9.5 / 50
-    assert rows[1].startswith("| 0.5x | bucketed | 8.5 (8.0–9.0) | 0.0 (0.0–0.0) |")
+    # 95 answers in time x 50 tokens over the 10 s of offered traffic: 475 real tok/s
+    assert rows[0].startswith("| 0.5x | adaptive | 9.5 (9.5–9.5) | 475 | 4.0 (4.0–4.0) | 200 |")
+    # 9.5 / mean(9.0, 8.0); 9.5 / 50 req/s; 475 / the capacity run's 1,000 tok/s
+    assert rows[0].endswith("| 1.12x | 0.19 | 0.47 |")
+    assert rows[1].startswith("| 0.5x | bucketed | 8.5 (8.0–9.0) | 425 | 0.0 (0.0–0.0) |")
+    assert "**50.0 req/s** (1,000 real tok/s)" in text
     assert "rates-2, adaptive (all rates): 12 shed" in text
     # the item 4 check: live beside predicted, for adaptive and bucketed, per cost model
     assert "| 0.5x | adaptive | start-up | 200 |" in text
