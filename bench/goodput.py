@@ -355,6 +355,66 @@ def _sim_cells(run: Any) -> tuple[float | None, float | None]:
     return p95, float(np.mean(run.outcomes == OUTCOME_REJECTED))
 
 
+def runner_speed(record: Mapping[str, Any], slots: int) -> tuple[int, float, float] | None:
+    """How fast the server's model calls ran during `record`'s run, from its `/stats` before
+    and after: the batches run, the model seconds per 1,000 real tokens, and the share of its
+    `slots` runner slots kept busy (model time over the run's duration); None for a run
+    without both snapshots (a peer). The host's speed can change between two runs minutes
+    apart (a Zen 3 under KVM: 12 % within one repeat); this says when it did."""
+    from lenbatch.replay.results import ReplayResult
+
+    res = ReplayResult.from_json(record["result"])
+    before, after = res.stats_before, res.stats_after
+    if not before or not after or "per_bucket" not in after:
+        return None
+
+    def totals(stats: Mapping[str, Any]) -> tuple[float, float, int]:
+        buckets = stats.get("per_bucket") or []
+        exec_s = sum(b["mean_exec_ms"] * b["batches"] for b in buckets) / 1000
+        return exec_s, float(stats.get("real_tokens", 0)), int(stats.get("batches", 0))
+
+    e0, t0, b0 = totals(before)
+    e1, t1, b1 = totals(after)
+    tokens, exec_s = t1 - t0, e1 - e0
+    wall = float(record["summary"]["duration_s"])
+    if tokens <= 0 or wall <= 0:
+        return None
+    return b1 - b0, exec_s / tokens * 1e6, exec_s / (wall * max(1, slots))
+
+
+def speed_lines(out: Path, loads: Mapping[float, float], slots: int) -> list[str]:
+    """The runner-speed table of the runs below capacity in `out`'s `rates-*` folders: per
+    load, repeat and target, goodput beside how fast and how busy the model calls ran."""
+    rows = []
+    for folder in sorted(out.glob("rates-*")):
+        for rec in sorted(_runs(folder), key=lambda r: (float(r["rate"]), r["name"])):
+            rate = min(loads, key=lambda x: abs(x - float(rec["rate"])))
+            speed = runner_speed(rec, slots)
+            if loads[rate] >= 1 or speed is None:
+                continue
+            batches, ms_per_k, busy = speed
+            good = _good(rec)[0]
+            done = int(rec["summary"].get("completed", 0))
+            rows.append((loads[rate], folder.name, rec["name"], good, batches,
+                         done / max(1, batches), ms_per_k, busy))  # fmt: skip
+    if not rows:
+        return []
+    lines = [
+        f"Runner speed per run below capacity (the server's `/stats` before and after each run; "
+        f"model time per 1,000 real tokens, and busy = model time over the run's duration x "
+        f"{slots} slots). Within a repeat the targets run minutes apart: a slower host shows "
+        "here as more model time per token, which larger batches should lower, not raise.",
+        "",
+        "| load | repeat | target | goodput req/s | batches | rows per batch | model ms per 1k "
+        "real tokens | runner busy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for load, rep, name, good, batches, rows_per, ms_per_k, busy in sorted(rows):
+        lines.append(f"| {load:g}x | {rep} | {name} | {good:.1f} | {batches} | {rows_per:.2f} | "
+                     f"{ms_per_k:.0f} | {busy:.2f} |")  # fmt: skip
+    return lines
+
+
 def _worst_burst(record: Mapping[str, Any]) -> dict[str, Any] | None:
     """The decision log's worst burst in the server's `/stats` after the run (adaptive)."""
     from lenbatch.replay.results import ReplayResult
@@ -377,6 +437,13 @@ def _capacity_lines(meta: Mapping[str, Any]) -> list[str]:
         lines.append("Seconds of traffic per load: " + ", ".join(
             f"{k}x {v:.1f} s" for k, v in meta["traffic_s"].items()) + ".")  # fmt: skip
     return ["", *lines] if lines else []
+
+
+def _slots() -> int:
+    """The batches `make serve`'s config runs at once (its runner slots)."""
+    from lenbatch.config import load_settings
+
+    return int(load_settings(str(ROOT / CONFIG), {}, {}).batching.max_concurrent_batches)
 
 
 def _fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
@@ -471,6 +538,9 @@ def goodput_table(out: Path, calibrated_name: str = "calibrated_cost.json") -> s
                 f"{ratio} | {vs_cap} | {vs_cap_tok} |"
             )
     lines += ["", *prediction_check(check)]
+    speed = speed_lines(out, loads, _slots())
+    if speed:
+        lines += ["", *speed]
     lines += ["", "Bursts scenario:", "", "| repeat | target | goodput req/s | shed % | P95 ms |",
               "|---|---|---|---|---|"]  # fmt: skip
     for folder in sorted(out.glob("bursts-*")):

@@ -439,12 +439,18 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
         outcomes = np.array([OUTCOME_OK] * ok + [OUTCOME_REJECTED] * (n - ok))
         sent = np.linspace(0, 10, n)
         lat = np.where(np.arange(n) < late, 1.5, 0.2)
-        stats = {"adaptive": {"decisions": {"worst_burst": burst}}} if name == "adaptive" else {}
+        stats: dict[str, Any] = {"adaptive": {"decisions": {"worst_burst": burst}}} if (
+            name == "adaptive") else {}  # fmt: skip
+        # the model calls of the run: 50 batches, 1.4 s of model time for 5,000 real tokens
+        before = {"per_bucket": [{"mean_exec_ms": 10.0, "batches": 10}], "real_tokens": 1000,
+                  "batches": 10}  # fmt: skip
+        stats |= {"per_bucket": [{"mean_exec_ms": 25.0, "batches": 60}], "real_tokens": 6000,
+                  "batches": 60}  # fmt: skip
         res = ReplayResult(sent, sent, sent + lat, np.full(n, 50), np.full(n, 200), outcomes,
                            [None] * n, np.full(n, np.nan), np.zeros(n, np.int64), np.array([]),
-                           10.0, 1.0, 16, None, stats)  # fmt: skip
+                           10.0, 1.0, 16, before, stats)  # fmt: skip
         summary = {"requests": n, "rejected": n - ok, "offered_rps": 10.0, "duration_s": 10.0,
-                   "p95_ms": 200.0}  # fmt: skip
+                   "p95_ms": 200.0, "completed": ok}  # fmt: skip
         return {"name": name, "kind": "strategy", "rate": rate, "summary": summary,
                 "result": res.to_json()}  # fmt: skip
 
@@ -475,6 +481,12 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
     assert "- start-up: " in text and "rows hold; item 4" in text
     high = [line for line in text.splitlines() if line.startswith("| 1.5x | adaptive | start")]
     assert "(not checked)" in high[0]  # P95 is checked up to 0.8x capacity only
+    # the runner's speed per run below capacity: 1.4 s / 5,000 tokens = 280 ms per 1,000;
+    # busy 1.4 s over 10 s x the config's 2 slots; 96 answers over 50 batches
+    speed = [line for line in text.splitlines() if line.startswith("| 0.5x | rates-")]
+    assert len(speed) == 4
+    assert speed[0] == "| 0.5x | rates-1 | adaptive | 9.5 | 50 | 1.92 | 280 | 0.07 |"
+    assert not [line for line in text.splitlines() if line.startswith("| 1.5x | rates-")]
 
 
 def test_the_prediction_check_applies_issue_24s_tolerances(bench_runner: Any) -> None:
