@@ -402,8 +402,9 @@ def speed_lines(out: Path, loads: Mapping[float, float], slots: int) -> list[str
     lines = [
         f"Runner speed per run below capacity (the server's `/stats` before and after each run; "
         f"model time per 1,000 real tokens, and busy = model time over the run's duration x "
-        f"{slots} slots). Within a repeat the targets run minutes apart: a slower host shows "
-        "here as more model time per token, which larger batches should lower, not raise.",
+        f"{slots} slots). The targets of a repeat run one after another, a minute or more "
+        "apart: a slower host shows here as more model time per token, which larger batches "
+        "should lower, not raise.",
         "",
         "| load | repeat | target | goodput req/s | batches | rows per batch | model ms per 1k "
         "real tokens | runner busy |",
