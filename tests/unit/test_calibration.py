@@ -400,6 +400,32 @@ def test_too_few_lone_requests_give_no_spread() -> None:
     assert cal.spread_factor(0.99) == 1.0
 
 
+def test_without_lone_requests_the_spread_is_an_adaptive_servers_own() -> None:
+    """A run where too few requests ran alone (one past capacity) takes the spread an
+    `adaptive` server of the report measured itself (`/stats`), over the batches its window
+    holds; the lone requests' spread wins when there is one, and a server without one (a
+    fixed strategy's) gives none."""
+    own = [round(0.6 + 0.04 * i, 4) for i in range(21)]
+    busy, _ = _spread_record(np.ones(29))
+    other, _ = _spread_record(np.ones(29))
+    other["name"] = "adaptive"
+    other["result"]["stats_after"]["adaptive"] = {
+        "cost_model": {"batch_spread": own, "observed_batches": 2000}
+    }
+    o = measure_overhead(busy, COST, [busy], [busy, other])
+    assert o.batch_spread == pytest.approx(own) and o.spread_requests == 29
+    assert o.spread_batches == 512  # the window's last batches, not all 2,000
+    cal = calibrated(COST, o)
+    assert cal.batch_spread == pytest.approx(own)
+    assert "over the adaptive server's own last 512 batches" in cal.calibration
+    assert "ran alone" not in cal.calibration
+    lone, _ = _spread_record(1.1 + 0.3 * np.linspace(-1, 1, 41) ** 3)
+    kept = measure_overhead(lone, COST, [lone], [other])
+    assert kept.spread_requests == 41 and kept.spread_batches == 0
+    assert kept.batch_spread != pytest.approx(own)
+    assert measure_overhead(busy, COST, [busy], [busy]).batch_spread == ()
+
+
 def test_the_spread_factor_interpolates_between_quantiles() -> None:
     cost = CostModel(const=0.1, batch_spread=[0.5, 1.0, 1.5])
     assert [cost.spread_factor(u) for u in (0.0, 0.25, 0.5, 0.9, 1.0)] == pytest.approx(

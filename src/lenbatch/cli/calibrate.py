@@ -19,6 +19,7 @@ from lenbatch.plan.calibration import (
     calibrated,
     measure_overhead,
     spread_p10_p90,
+    spread_source,
 )
 from lenbatch.plan.costmodel import CostModel
 
@@ -145,8 +146,7 @@ def _spread_text(overhead: ServingOverhead) -> str:
     p10, p90 = spread_p10_p90(q)
     return (
         f"**a batch x{p10:.2f}-x{p90:.2f} its predicted time** (P10-P90 over "
-        f"{overhead.spread_requests} requests that ran alone; the simulator draws each batch's "
-        "time from it)"
+        f"{spread_source(overhead)}; the simulator draws each batch's time from it)"
     )
 
 
@@ -164,7 +164,7 @@ def calibrate_report(
     if source not in runs:
         raise ValueError(f"no lenbatch run {source!r} in {report_dir}; have {', '.join(runs)}")
     same_server = [r for r in runs.values() if r["name"] == runs[source]["name"]]
-    overhead = measure_overhead(runs[source], cost, same_server)
+    overhead = measure_overhead(runs[source], cost, same_server, list(runs.values()))
     cal = calibrated(cost, overhead)
     cpu = overhead.cpu_per_request_s
     if cpu is None:

@@ -58,6 +58,7 @@ from lenbatch.config import AdaptiveConfig, ShedMode
 from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.costfit import (
     PROFILE_PRIOR_WEIGHT,
+    SPREAD_WINDOW,
     CostCoefficients,
     OnlineCostModel,
     spread_quantiles,
@@ -77,9 +78,6 @@ _INF = math.inf
 _FILL_SHARE = 0.5  # share of the SLO that waiting to fill plus the batch itself may use
 _DRIFT_ALPHA = 0.2  # weight of the newest batch in the measured / predicted average (~5 batches)
 _QUEUE_DRIFT_ALPHA = 0.05  # the same average over ~20 batches: the speed a queue drains at
-# batches whose measured / predicted time /stats reports the quantiles of (`batch_spread`: what
-# `simulate --cost URL` draws each batch's time from)
-_SPREAD_WINDOW = 512
 _SHED_TOLERANCE = 0.02  # share of its SLO a request at a lane's head may be predicted late by
 # and still be kept, while full batches can serve the arrivals of the last few seconds
 _DRIFT_MAX = 4.0  # one batch moves the average by at most this factor (a stall is not a trend)
@@ -134,7 +132,7 @@ class AdaptiveState(Shedding):
         self.decisions = DecisionLog()  # why each request was refused or shed
         self._log_drift = 0.0  # log of the recent measured / predicted batch time
         self._log_queue_drift = 0.0  # the same over more batches (`queue_drift`)
-        self._ratios: deque[float] = deque(maxlen=_SPREAD_WINDOW)  # measured / predicted
+        self._ratios: deque[float] = deque(maxlen=SPREAD_WINDOW)  # measured / predicted
         # CPU per request outside the model call, on the `cores` the model shares (measured
         # live by the engine; the simulator sets the cost model's)
         self.request_cpu = RequestCpu(cores)

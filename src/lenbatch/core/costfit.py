@@ -31,6 +31,7 @@ __all__ = [
     "PROFILE_PRIOR_WEIGHT",
     "SPREAD_MIN_SAMPLES",
     "SPREAD_POINTS",
+    "SPREAD_WINDOW",
     "CostCoefficients",
     "OnlineCostModel",
     "spread_quantiles",
@@ -38,6 +39,9 @@ __all__ = [
 
 SPREAD_POINTS = 21  # quantiles at probabilities 0, 0.05, ..., 1
 SPREAD_MIN_SAMPLES = 30  # fewer samples than this give no spread
+# the last batches whose measured / predicted time an adaptive server's spread is over
+# (`/stats` `batch_spread`: what `simulate --cost URL` draws each batch's time from)
+SPREAD_WINDOW = 512
 
 
 def spread_quantiles(ratios: Iterable[float]) -> list[float]:

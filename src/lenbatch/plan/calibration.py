@@ -24,7 +24,12 @@ A cost model from `lenbatch profile` times the model alone, back to back. A live
   the fit's time for their length gives one sample each of live / predicted. Its quantiles,
   scaled to mean 1, are `batch_spread` (`core.costfit.spread_quantiles`: at least 30 such
   requests, else none). The fit gives
-  the mean batch; the spread gives the tail that a light load's P95 is made of.
+  the mean batch; the spread gives the tail that a light load's P95 is made of. A run where
+  too few requests ran alone (one that starts past capacity) takes the spread an `adaptive`
+  server of the same report measured itself instead (`/stats`
+  `adaptive.cost_model.batch_spread`: its last batches' measured / predicted times, scaled to
+  mean 1 the same way): without one, every simulated batch took its mean time and the shed
+  share past capacity came out ~10 points low (a Zen 3, at 2x).
 
 * CPU time per request outside the model, on the same cores: the server's event-loop thread
   (HTTP, JSON, tokenization, scheduling) and, when it shares the machine as in `lenbatch bench`,
@@ -47,11 +52,17 @@ from typing import Any
 
 import numpy as np
 
-from lenbatch.core.costfit import spread_quantiles
+from lenbatch.core.costfit import SPREAD_WINDOW, spread_quantiles
 from lenbatch.plan.costmodel import CostModel
 from lenbatch.serving.metrics import bucket_totals, bucket_work
 
-__all__ = ["ServingOverhead", "calibrated", "measure_overhead", "spread_p10_p90"]
+__all__ = [
+    "ServingOverhead",
+    "calibrated",
+    "measure_overhead",
+    "spread_p10_p90",
+    "spread_source",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class ServingOverhead:
     batch_runs: int = 1  # runs the per-batch fit comes from
     batch_spread: tuple[float, ...] = ()  # quantiles of live / fitted batch time, mean 1
     spread_requests: int = 0  # requests that ran alone, which the spread comes from
+    spread_batches: int = 0  # or: batches of an adaptive server's own spread (`/stats`)
 
     @property
     def cpu_per_request_s(self) -> float | None:
@@ -82,12 +94,17 @@ class ServingOverhead:
 
 
 def measure_overhead(
-    run: Mapping[str, Any], cost: CostModel, cpu_runs: Sequence[Mapping[str, Any]] = ()
+    run: Mapping[str, Any],
+    cost: CostModel,
+    cpu_runs: Sequence[Mapping[str, Any]] = (),
+    spread_runs: Sequence[Mapping[str, Any]] = (),
 ) -> ServingOverhead:
     """The serving overhead seen in one bench run of a lenbatch server (a `runs/*.json` record).
     The CPU per request (when they span two or more rates) and the per-batch scale and
     constant are fitted over `run` and `cpu_runs` (the same server at other rates); the
-    per-request time outside the queue comes from `run` alone.
+    per-request time outside the queue comes from `run` alone; the batch spread from the
+    requests of `run` that ran alone, else from the first `adaptive` server's own among `run`,
+    `cpu_runs` and `spread_runs` (the report's other servers, on the same machine).
 
     Raises ValueError if the record lacks the server's `/stats` or ran no batch.
     """
@@ -123,6 +140,9 @@ def measure_overhead(
     scale, constant = _batch_fit(rows)
     request_s = client_p50 - float(server_p50) / 1000.0
     spread, alone = _batch_spread(run, cost, scale, constant, request_s)
+    server_batches = 0
+    if not spread:
+        spread, server_batches = _server_spread([run, *others, *spread_runs])
     return ServingOverhead(
         batch_s=constant,
         request_s=request_s,
@@ -138,7 +158,15 @@ def measure_overhead(
         batch_runs=runs_used,
         batch_spread=spread,
         spread_requests=alone,
+        spread_batches=server_batches,
     )
+
+
+def spread_source(overhead: ServingOverhead) -> str:
+    """Where `overhead.batch_spread` comes from, in words."""
+    if overhead.spread_batches:
+        return f"the adaptive server's own last {overhead.spread_batches} batches, its /stats"
+    return f"{overhead.spread_requests} requests that ran alone"
 
 
 def spread_p10_p90(spread: Sequence[float]) -> tuple[float, float]:
@@ -173,6 +201,19 @@ def _batch_spread(
     fitted = scale * np.array([cost.latency(1, x) for x in n]) + constant
     live = done[alone] - sent[alone] - wait - request_s
     return tuple(spread_quantiles(np.maximum(live, 0.0) / fitted)), int(alone.sum())
+
+
+def _server_spread(runs: Sequence[Mapping[str, Any]]) -> tuple[tuple[float, ...], int]:
+    """(the batch spread an `adaptive` server measured itself, the batches it is over): from
+    the `/stats` after the first of `runs` that has one; empty and 0 if none has."""
+    for run in runs:
+        stats = (run.get("result") or {}).get("stats_after") or {}
+        model = (stats.get("adaptive") or {}).get("cost_model") or {}
+        spread = model.get("batch_spread") or []
+        if spread:
+            batches = min(int(model.get("observed_batches") or 0), SPREAD_WINDOW)
+            return tuple(float(x) for x in spread), batches
+    return (), 0
 
 
 def _batch_rows(
@@ -269,7 +310,7 @@ def calibrated(
         p10, p90 = spread_p10_p90(spread)
         note += (
             f"; a batch x{p10:.2f}-x{p90:.2f} its predicted time (P10-P90 over "
-            f"{overhead.spread_requests} requests that ran alone)"
+            f"{spread_source(overhead)})"
         )
     return dataclasses.replace(
         cost,
