@@ -481,6 +481,7 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
     assert "- start-up: " in text and "rows hold; item 4" in text
     high = [line for line in text.splitlines() if line.startswith("| 1.5x | adaptive | start")]
     assert "(not checked)" in high[0]  # P95 is checked up to 0.8x capacity only
+    assert "P95 error of each repeat (the check uses their mean):" in text
     # the runner's speed per run below capacity: 1.4 s / 5,000 tokens = 280 ms per 1,000;
     # busy 1.4 s over 10 s x the config's 2 slots; 96 answers over 50 batches
     speed = [line for line in text.splitlines() if line.startswith("| 0.5x | rates-")]
@@ -503,6 +504,8 @@ def test_the_prediction_check_applies_issue_24s_tolerances(bench_runner: Any) ->
         (0.2, "adaptive", 100.0, 0.0, "n", None, 0.0),  # no prediction: does not
     ]
     lines = check(rows)
+    each = sys.modules["goodput"].repeat_errors([(0.5, "bucketed", "m", [100.0, 200.0], 150.0)])
+    assert "| 0.5x | bucketed | m | +50 % / -25 % |" in each  # each repeat against one prediction
     verdicts = [line.rsplit("|", 2)[1].strip() for line in lines if line.startswith("| ")][1:]
     assert verdicts == ["yes", "**no**", "yes", "**no**", "**no**"]
     assert "- m: 2 of 4 rows hold; item 4 does not hold with it" in lines
