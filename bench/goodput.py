@@ -386,24 +386,20 @@ def runner_speed(record: Mapping[str, Any], slots: int) -> tuple[int, float, flo
     without both snapshots (a peer). The host's speed can change between two runs minutes
     apart (a Zen 3 under KVM: 12 % within one repeat); this says when it did."""
     from lenbatch.replay.results import ReplayResult
+    from lenbatch.serving.metrics import bucket_totals, bucket_work
 
     res = ReplayResult.from_json(record["result"])
     before, after = res.stats_before, res.stats_after
     if not before or not after or "per_bucket" not in after:
         return None
-
-    def totals(stats: Mapping[str, Any]) -> tuple[float, float, int]:
-        buckets = stats.get("per_bucket") or []
-        exec_s = sum(b["mean_exec_ms"] * b["batches"] for b in buckets) / 1000
-        return exec_s, float(stats.get("real_tokens", 0)), int(stats.get("batches", 0))
-
-    e0, t0, b0 = totals(before)
-    e1, t1, b1 = totals(after)
-    tokens, exec_s = t1 - t0, e1 - e0
+    work = bucket_work(bucket_totals(before), bucket_totals(after)).values()
+    exec_s = sum(w.exec_s for w in work)
+    batches = int(sum(w.batches for w in work))
+    tokens = float(after.get("real_tokens", 0)) - float(before.get("real_tokens", 0))
     wall = float(record["summary"]["duration_s"])
     if tokens <= 0 or wall <= 0:
         return None
-    return b1 - b0, exec_s / tokens * 1e6, exec_s / (wall * max(1, slots))
+    return batches, exec_s / tokens * 1e6, exec_s / (wall * max(1, slots))
 
 
 def speed_lines(out: Path, loads: Mapping[float, float], slots: int) -> list[str]:

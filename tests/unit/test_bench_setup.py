@@ -441,11 +441,14 @@ def test_adaptive_goodput_table_reads_runs_repeats_and_the_decision_log(
         lat = np.where(np.arange(n) < late, 1.5, 0.2)
         stats: dict[str, Any] = {"adaptive": {"decisions": {"worst_burst": burst}}} if (
             name == "adaptive") else {}  # fmt: skip
+
         # the model calls of the run: 50 batches, 1.4 s of model time for 5,000 real tokens
-        before = {"per_bucket": [{"mean_exec_ms": 10.0, "batches": 10}], "real_tokens": 1000,
-                  "batches": 10}  # fmt: skip
-        stats |= {"per_bucket": [{"mean_exec_ms": 25.0, "batches": 60}], "real_tokens": 6000,
-                  "batches": 60}  # fmt: skip
+        def bucket(exec_ms: float, batches: int) -> dict[str, Any]:
+            return {"bucket": "1-64", "mean_exec_ms": exec_ms, "batches": batches,
+                    "requests": 2 * batches, "padded_tokens": 100 * batches}  # fmt: skip
+
+        before = {"per_bucket": [bucket(10.0, 10)], "real_tokens": 1000, "batches": 10}
+        stats |= {"per_bucket": [bucket(25.0, 60)], "real_tokens": 6000, "batches": 60}
         res = ReplayResult(sent, sent, sent + lat, np.full(n, 50), np.full(n, 200), outcomes,
                            [None] * n, np.full(n, np.nan), np.zeros(n, np.int64), np.array([]),
                            10.0, 1.0, 16, before, stats)  # fmt: skip
