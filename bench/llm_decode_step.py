@@ -15,7 +15,7 @@ turns step by step (A/B interleaved), so a load change on a shared machine hits 
 
 Configurations: `hf` is transformers' forward (`lean=False`), `lean` the lean Llama path
 (`runners.llama`; `lean-bf16-dense` is `lean-bf16` without lenbatch's few-row product,
-`weightonly.Bf16Gemv`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
+`rowlinears.Bf16Gemv`), with the linears' measured plan (prepacking, and for `-int8`/`-int4` the
 switch point to weight-only kernels) printed beside it. The processor key heads the table.
 
 `--mixed ROWSxCOLS[@CACHED],...` times, instead, what continuous batching runs on the lean path:

@@ -1,4 +1,5 @@
-"""The lean Llama path (`runners.llama`, `runners.weightonly`) against transformers.
+"""The lean Llama path (`runners.llama`, its products in `runners.weightonly` and
+`runners.rowlinears`) against transformers.
 
 The references are transformers' own: `model.generate()` greedy tokens for the tiny random
 Llama (fp32, prepacked or not), `F.linear` on the dequantized weights for the int4/int8 kernels.
@@ -15,17 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.runners.causal import CausalLMRunner
-from lenbatch.runners.weightonly import (
+from lenbatch.runners.rowlinears import (
     INT4_GROUP,
     LARGE_ROWS,
     Int4Linear,
     Int8Linear,
     LargeRowsLinear,
-    LinearPlan,
-    make_linear,
-    measure_large_rows,
-    measure_switch,
 )
+from lenbatch.runners.weightonly import LinearPlan, make_linear, measure_large_rows, measure_switch
 from tests.helpers import needs_op
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
@@ -216,7 +214,7 @@ def test_int4_keeps_the_output_matrix_in_int8(
     a Q4 GGUF): in float32 through the C++ op's groups of 32 where this CPU builds it, else
     (forced off) torch's kernels; bfloat16 compute keeps its dense weights in bfloat16."""
     from lenbatch.runners import decode_attention
-    from lenbatch.runners.weightonly import GroupLinear, SwitchLinear
+    from lenbatch.runners.rowlinears import GroupLinear, SwitchLinear
 
     monkeypatch.setenv("LENBATCH_DECODE_ATTENTION", ops)
     monkeypatch.setattr(decode_attention, "_loaded", {})
@@ -246,7 +244,7 @@ def _on_gguf_grids(tiny_llama_dir: Path, folder: Path, layer_bits: int) -> Path:
 
     from transformers import LlamaForCausalLM
 
-    from lenbatch.runners.weightonly import GroupLinear, group_op
+    from lenbatch.runners.rowlinears import GroupLinear, group_op
 
     op = group_op()
     assert op is not None
@@ -269,7 +267,7 @@ def test_int4_on_gguf_grids_decodes_as_generate(tmp_path: Path, tiny_llama_dir: 
     """A tiny Llama on Q4_1 / Q8_0 grids: `--dtype float32 --quantize int4`, forced on at
     every row count, decodes greedily token for token as transformers' `generate()` on those
     weights."""
-    from lenbatch.runners.weightonly import GroupLinear
+    from lenbatch.runners.rowlinears import GroupLinear
 
     folder = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q4", 4)
     runner = CausalLMRunner(folder, name="tiny-q4", quantization="int4", quant_switch_rows=1024)
@@ -285,7 +283,7 @@ def test_auto_runs_the_groups_a_model_ships(tmp_path: Path, tiny_llama_dir: Path
     output matrix, int8 for Q8_0 grids, and none for float weights or in bfloat16; what it
     found is the runner's `quantization` (the cost models' key). On the Q4_1 grids it decodes
     as `generate()` token for token."""
-    from lenbatch.runners.weightonly import GroupLinear
+    from lenbatch.runners.rowlinears import GroupLinear
 
     q4 = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q4", 4)
     q8 = _on_gguf_grids(tiny_llama_dir, tmp_path / "llama-q8", 8)

@@ -7,15 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lenbatch.runners.weightonly import (
+from lenbatch.runners.rowlinears import (
     Bf16Gemv,
     DenseLinear,
-    LinearPlan,
     SwitchLinear,
     gemv_op,
-    make_linear,
     pack_bf16_weight,
 )
+from lenbatch.runners.weightonly import LinearPlan, make_linear
 from tests.helpers import needs_avx512 as needs_op
 
 
@@ -191,7 +190,7 @@ def test_gate_up_layout_puts_each_gate_block_beside_its_up_block() -> None:
     """`pack_gate_up`: block 2j holds gate outputs 16j..16j+15, block 2j + 1 the up outputs
     of the same indices, each laid out as `pack_bf16_weight` lays a block; a gate/up weight
     whose halves are not whole blocks is refused."""
-    from lenbatch.runners.weightonly import pack_gate_up
+    from lenbatch.runners.rowlinears import pack_gate_up
 
     w = _bf16(96, 10, seed=8)  # inter 48: three blocks a half
     wp = pack_gate_up(w)
@@ -216,7 +215,7 @@ def test_gate_up_silu_equals_the_product_then_the_activation(
     float64 from the rounded products."""
     op = gemv_op()
     assert op is not None
-    from lenbatch.runners.weightonly import GatedGemv
+    from lenbatch.runners.rowlinears import GatedGemv
 
     w = _bf16(2 * inter, inp, seed=9)
     fused = GatedGemv(w, op)
@@ -238,7 +237,8 @@ def test_make_gate_up_silu_fuses_up_to_gated_rows() -> None:
     dense product then `silu_mul`; both give silu(gate) * up of the layer. Without gated
     rows, or in float32, the plain linear under the plan and then the activation."""
     from lenbatch.runners.decode_attention import decode_attention_op
-    from lenbatch.runners.weightonly import GatedGemv, make_gate_up_silu
+    from lenbatch.runners.rowlinears import GatedGemv
+    from lenbatch.runners.weightonly import make_gate_up_silu
 
     kernel = decode_attention_op()
     w = _bf16(64, 96, seed=10)
@@ -302,7 +302,7 @@ def test_gated_probe_goes_on_to_a_whole_prompt(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(weightonly, "_race", race)
     monkeypatch.setattr(weightonly, "gemv_op", lambda: object())
-    monkeypatch.setattr(weightonly, "_ops_with", lambda name: object())
+    monkeypatch.setattr(weightonly, "ops_with", lambda name: object())
     monkeypatch.setattr(weightonly, "_probe_weights", lambda shape, dtype: [_bf16(64, 32, seed=4)])
     monkeypatch.setattr(weightonly, "GatedGemv", lambda w, op: None)
     assert weightonly.measure_gated((64, 32), pack=False, above=128) == 1024

@@ -11,16 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from lenbatch.runners import decode_attention as da
-from lenbatch.runners.weightonly import (
+from lenbatch.runners.rowlinears import (
     GroupLinear,
     Int4Linear,
     Int8Linear,
-    LinearPlan,
     SwitchLinear,
     group_op,
-    make_linear,
     stored_groups,
 )
+from lenbatch.runners.weightonly import LinearPlan, make_linear
 from tests.helpers import needs_op
 
 

@@ -25,8 +25,9 @@ from lenbatch.runners.base import ModelInfo, RunnerMemory, Segment
 from lenbatch.runners.hardware import check_quantization, resolve_precision
 from lenbatch.runners.llama import LeanLlama, lean_unsupported, llama_shapes
 from lenbatch.runners.memory import current_rss, peak_rss
+from lenbatch.runners.rowlinears import stored_groups
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.runners.weightonly import plan_for, stored_groups
+from lenbatch.runners.weightonly import plan_for
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -214,7 +215,7 @@ class CausalLMRunner:
 
     def _stored_quantization(self, lean: bool | None) -> str:
         """What `auto` runs: the group-of-32 products of the weights as the model ships them
-        (`weightonly.stored_groups`: a Q4_1 GGUF's layers with its Q8_0 output matrix give
+        (`rowlinears.stored_groups`: a Q4_1 GGUF's layers with its Q8_0 output matrix give
         `int4`, a Q8_0 GGUF `int8`) where they compute exactly: float32 activations on the lean
         path. Else `none` (bfloat16 would round the groups' scales; the transformers path runs
         dense weights only)."""

@@ -904,7 +904,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 //
 // `bf16_linear` computes y = x @ W.T for bfloat16 x [rows, in], float32 sums, bfloat16 out,
 // for the few rows of a decode step, from W reordered once (`pack_bf16_weight` in
-// runners/weightonly.py) into blocks of 16 output rows, each block's columns in pairs:
+// runners/rowlinears.py) into blocks of 16 output rows, each block's columns in pairs:
 // wp [ceil(out / 16), ceil(in / 2), 16, 2], so that one 64-byte load holds two columns of 16
 // outputs and AVX512_BF16's dot product adds both into 16 float32 sums, with the input's pair of
 // values broadcast: no horizontal sums, every weight byte read once, in order. Why a kernel: at
@@ -1096,7 +1096,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t out, b
 
 // A gated MLP's input product and activation in one: silu(x @ G.T) * (x @ U.T) [rows, inter],
 // from G and U interleaved by blocks of 16 outputs (gate block j, then up block j) and packed
-// as for `bf16_linear` (`pack_gate_up` in runners/weightonly.py). Each product is rounded to
+// as for `bf16_linear` (`pack_gate_up` in runners/rowlinears.py). Each product is rounded to
 // bfloat16 before the activation, as `bf16_linear` then `silu_mul` round: the same bits, but
 // the 2 x inter products are never written out and read back. Why: at a prompt's rows the
 // gate/up output is the widest a layer writes; writing it evicts x from L2, and `silu_mul`

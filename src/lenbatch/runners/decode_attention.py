@@ -24,7 +24,7 @@ where Linux grants the process the tile registers; `LENBATCH_AMX=off` keeps it o
 
 The same build holds the lean Llama path's fused passes (`add_rms_norm`, `rope`, `silu_mul`),
 its weight-only products in groups of 32 with float32 activations (`group_linear`, behind
-`runners/weightonly.py`'s `GroupLinear`), its bfloat16 products of a few rows (`bf16_linear`,
+`runners/rowlinears.py`'s `GroupLinear`), its bfloat16 products of a few rows (`bf16_linear`,
 behind `Bf16Gemv`) and the packed encoder's attention
 (`packed_attention`: each sequence of a packed batch attends to its own tokens, straight from
 the fused Q/K/V rows; `runners/packed.py`).

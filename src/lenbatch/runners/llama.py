@@ -51,14 +51,8 @@ import torch.nn.functional as F
 from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.linears import rounded_tokens
-from lenbatch.runners.weightonly import (
-    GateUpSilu,
-    GroupLinear,
-    LinearPlan,
-    RowLinear,
-    make_gate_up_silu,
-    make_linear,
-)
+from lenbatch.runners.rowlinears import GateUpSilu, GroupLinear, RowLinear
+from lenbatch.runners.weightonly import LinearPlan, make_gate_up_silu, make_linear
 
 __all__ = ["LeanLlama", "lean_unsupported"]
 
