@@ -340,14 +340,25 @@ class _Timed:
         return _timed(getattr(self._target, name), name, self._spent)
 
 
-def _timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
-    def call(*a: Any, **kw: Any) -> Any:
+class _TimedCall:
+    """`fn`, its calls' seconds added to `spent[name]`; its attributes read through (the lean
+    path reads a layer product's own kernels, e.g. `gate_up_silu.linear`)."""
+
+    def __init__(self, fn: Any, name: str, spent: dict[str, float]) -> None:
+        self._fn, self._name, self._spent = fn, name, spent
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
-        out = fn(*a, **kw)
-        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        out = self._fn(*a, **kw)
+        self._spent[self._name] = self._spent.get(self._name, 0.0) + time.perf_counter() - t0
         return out
 
-    return call
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._fn, attr)
+
+
+def _timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
+    return _TimedCall(fn, name, spent)
 
 
 # a lean layer's products (`gate_up_silu`: the gate/up product and its activation)

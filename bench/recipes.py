@@ -572,6 +572,12 @@ script_recipe(
     "--rounds", "4",
 )  # fmt: skip
 script_recipe(
+    "decode-attention", "decode_attention.py",
+    "A decode step's attention over the running batch's cache, lenbatch's op vs torch's SDPA, "
+    "float32, each layer its own cache, alternated (zen3-model1/decode-attention-avx2.md).",
+    "--rounds", "5",
+)  # fmt: skip
+script_recipe(
     "prompt-attention", "prompt_attention.py",
     "A causal LM's whole-prompt attention, the AVX2 build's loop vs torch's SDPA, float32, "
     "alternated (zen3-model1/prompt-attention-avx2.md).",

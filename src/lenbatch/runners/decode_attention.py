@@ -11,10 +11,12 @@ flags, so a second start loads it in milliseconds and another CPU builds its own
 It is used only where it can be: an x86 CPU with AVX-512 (`avx512f` in `/proc/cpuinfo`) or with
 AVX2 and FMA (a Zen 3), a C++ compiler, and a build that succeeds. Anything else falls back to
 `F.scaled_dot_product_attention` (the caller's path) with one line in the log saying why. An
-AVX2 build holds the attention loop, the fused passes, `group_linear`, the int8 passes and a
-float32 `packed_attention` (encoders), not the bfloat16 ops (`bf16_linear`, `bf16_gate_up_silu`,
-`decode_layers`, `chunk_attention`): callers look each op up by name and run torch's where it
-is missing.
+AVX2 build holds the attention loop (in float32 with 256-bit vectors: 1.4-1.5x the portable
+loop it ran before on a Zen 3, a step's cache streamed from memory;
+`bench/results/zen3-model1/decode-attention-avx2.md`), the fused passes, `group_linear`, the
+int8 passes and a float32 `packed_attention` (encoders), not the bfloat16 ops (`bf16_linear`,
+`bf16_gate_up_silu`, `decode_layers`, `chunk_attention`): callers look each op up by name and
+run torch's where it is missing.
 `LENBATCH_DECODE_ATTENTION=sdpa` forces the fallback (tests use it); `=kernel` requires the op
 and raises where it cannot be built.
 

@@ -14,16 +14,15 @@ runs the same computation with less per-step overhead:
 * `F.rms_norm`; RoPE cos/sin tables computed once for every position; one boolean attention mask
   per forward (shared by every layer), not a 4-D float mask rebuilt per layer;
 * a decode step's attention through a small C++ op (`runners/decode_attention.py`, built just
-  in time on a CPU with AVX-512) that reads only each row's real columns of the KV window, once
-  per key/value head for all its query heads; a prompt's causal attention in bfloat16 on a CPU
-  with AMX through the same build's `packed_attention` (tile products straight from the fused
-  Q/K/V rows) for a whole prompt, and through its `chunk_attention` for a job's left-padded
-  rows and a prompt's later chunks (each row over its real columns, cached ones included,
-  read in place from the cache); a whole float32 prompt of up to 640 tokens through the AVX2
-  build's `packed_attention` (a CPU without AVX-512); elsewhere torch's
-  `F.scaled_dot_product_attention` with
-  grouped-query heads, reading the window in place (`generate.kvcache.WindowLayer` returns
-  views; `LeanLlama._attend`).
+  in time on a CPU with AVX-512, or AVX2 and FMA) that reads only each row's real columns of the
+  KV window, once per key/value head for all its query heads; a prompt's causal attention in
+  bfloat16 on a CPU with AMX through the same build's `packed_attention` (tile products
+  straight from the fused Q/K/V rows) for a whole prompt, and through its `chunk_attention` for
+  a job's left-padded rows and a prompt's later chunks (each row over its real columns, cached
+  ones included, read in place from the cache); a whole float32 prompt of up to 640 tokens
+  through the AVX2 build's `packed_attention` (a CPU without AVX-512); elsewhere torch's
+  `F.scaled_dot_product_attention` with grouped-query heads, reading the window in place
+  (`generate.kvcache.WindowLayer` returns views; `LeanLlama._attend`).
 
 * a decode step of the running batch whose products all take the few-row bfloat16 ops runs
   its decoder layers in one call of the C++ op `decode_layers` (the same ops, in the same order,
