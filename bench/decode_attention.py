@@ -30,7 +30,6 @@ import importlib.util
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,14 +40,9 @@ import torch.nn.functional as F
 from lenbatch.runners.decode_attention import decode_attention_op
 from lenbatch.runners.hardware import processor_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def _median_step(fn: Callable[[], object], calls: int = 5) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from prompt_attention import median_call, write_table
 
 
 def _load_build(path: Path) -> Any:
@@ -132,7 +126,7 @@ def main() -> int:
         times: dict[str, list[float]] = {name: [] for name in arms}
         for _ in range(args.rounds):
             for name, fn in arms.items():
-                times[name].append(_median_step(fn))
+                times[name].append(median_call(fn, calls=5))
         t = {name: statistics.median(xs) for name, xs in times.items()}
         real = int(mask.sum()) * nkv * d * 4 * 2 * args.layers
         cells = [f"{1000 * t['op']:.2f}", f"{1000 * t['sdpa']:.2f}", f"{t['sdpa'] / t['op']:.2f}x"]
@@ -143,10 +137,7 @@ def main() -> int:
         )
         print(lines[-1], flush=True)
         del layers
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
+    write_table(lines, args.out)
     return 0
 
 

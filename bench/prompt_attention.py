@@ -36,7 +36,8 @@ from lenbatch.runners.decode_attention import decode_attention_op
 from lenbatch.runners.hardware import processor_key
 
 
-def _median_call(fn: Callable[[], object], calls: int = 7) -> float:
+def median_call(fn: Callable[[], object], calls: int = 7) -> float:
+    """The median seconds of `calls` calls of `fn` (`decode_attention.py` times with it too)."""
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -92,16 +93,21 @@ def main() -> int:
         a: list[float] = []
         b: list[float] = []
         for _ in range(args.rounds):
-            a.append(_median_call(loop))
-            b.append(_median_call(sdpa))
+            a.append(median_call(loop))
+            b.append(median_call(sdpa))
         ta, tb = statistics.median(a), statistics.median(b)
         lines.append(f"| {n} | {1000 * ta:.3f} | {1000 * tb:.3f} | {tb / ta:.2f}x |")
         print(lines[-1], flush=True)
+    write_table(lines, args.out)
+    return 0
+
+
+def write_table(lines: list[str], out: Path | None) -> None:
+    """Print the table's `lines`, and write them to `out` when given."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
-    return 0
+    if out:
+        out.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
