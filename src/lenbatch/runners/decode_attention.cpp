@@ -73,6 +73,21 @@ T* zeroed64(std::vector<T>& buf, int64_t n) {
   return at64(buf, n);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Rows of keys / values fetched ahead of their use: 64 (8 KiB of a 64-wide head's keys). 30
+// layers' attention at 32 / 48 / 64 rows x 310 columns (214-428 MB of cache) took 7.5 / 15.7 /
+// 24.2 ms against 8.1 / 17.3 / 26.1 with 16 rows ahead, and 128 was no faster (builds side by
+// side, alternated, Intel Xeon family 6 model 207).
+constexpr int64_t kAhead = 64;
+
+// Ask for one key or value row (`bytes` long) ahead of its use: a step's cache is far larger
+// than the CPU's caches, and its rows are read once.
+inline void fetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__)
 // 16 values as float32: bfloat16 is the top half of a float32, so widening is a shift.
 inline __m512 widen16(__m256i raw) {
@@ -135,18 +150,6 @@ inline __m512 exp2_coarse16(__m512 x) {
 }
 
 constexpr int64_t kMaxVectors = 32;  // group x head_dim / 16 kept in registers (or close)
-// Rows of keys / values fetched ahead of their use: 64 (8 KiB of a 64-wide head's keys). 30
-// layers' attention at 32 / 48 / 64 rows x 310 columns (214-428 MB of cache) took 7.5 / 15.7 /
-// 24.2 ms against 8.1 / 17.3 / 26.1 with 16 rows ahead, and 128 was no faster (builds side by
-// side, alternated, Intel Xeon family 6 model 207).
-constexpr int64_t kAhead = 64;
-
-// Ask for one key or value row (`bytes` long) ahead of its use: a step's cache is far larger
-// than the CPU's caches, and its rows are read once.
-inline void fetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
 
 // The same computation as `attend_task` below with explicit 512-bit vectors, for a head_dim
 // that is a multiple of 16 and a group small enough to keep every query in registers.
@@ -446,14 +449,6 @@ inline __m256 hsum8x8(const __m256 a[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// Rows of keys / values asked for ahead of their use, as the AVX-512 loop does (`kAhead`).
-constexpr int64_t kAhead2 = 64;
-
-inline void fetch_row2(const float* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
 // The weighted sum of one pass: GN queries (of the group, from g0) x VN vectors of 8 values
 // (from vector v0) accumulate in registers (GN x VN <= 12 of the 16), the value rows read
 // as memory operands.
@@ -465,7 +460,7 @@ void weigh_values_avx2(const float* vbase, int64_t vs2, const std::vector<int32_
   for (int i = 0; i < GN * VN; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < n; ++j) {
-    if (fetch && j + kAhead2 < n) fetch_row2(vbase + cols[j + kAhead2] * vs2, row_bytes);
+    if (fetch && j + kAhead < n) fetch_row(vbase + cols[j + kAhead] * vs2, row_bytes);
     const float* vrow = vbase + cols[j] * vs2 + v0 * 8;
     for (int g = 0; g < GN; ++g) {
       const __m256 p = _mm256_broadcast_ss(scores + (g0 + g) * n + j);
@@ -493,7 +488,7 @@ void weigh_values_avx2(int vn, const float* vbase, int64_t vs2, const std::vecto
 // `attend_rows`' portable loop for float32 on AVX2 (a Zen 3), head_dim a multiple of 8: a
 // query's scores 8 keys at a time (8 accumulators, one tree of horizontal sums per 8), the
 // softmax with `exp8`, the weighted sum in register blocks (`weigh_values_avx2`), and each
-// key and value row asked for `kAhead2` rows ahead. The portable loop read a step's cache at
+// key and value row asked for `kAhead` rows ahead. The portable loop read a step's cache at
 // 9.0 GB/s here (SmolLM2's shapes, 32 rows x 600 columns, 2 threads), against 21 GB/s that
 // the two cores read.
 void attend_task_avx2(const float* qrow, const float* kbase, int64_t ks2, const float* vbase,
@@ -504,14 +499,14 @@ void attend_task_avx2(const float* qrow, const float* kbase, int64_t ks2, const 
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = qrow[i] * scale;
   scores.resize(group * n);
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
-  for (int64_t j = 0; j < std::min(n, kAhead2); ++j) fetch_row2(kbase + cols[j] * ks2, row_bytes);
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) fetch_row(kbase + cols[j] * ks2, row_bytes);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const float* kr[8];
     for (int t = 0; t < 8; ++t) {
-      const int64_t ahead = j + t + kAhead2;
-      if (ahead < n) fetch_row2(kbase + cols[ahead] * ks2, row_bytes);
-      else if (ahead - n < n) fetch_row2(vbase + cols[ahead - n] * vs2, row_bytes);
+      const int64_t ahead = j + t + kAhead;
+      if (ahead < n) fetch_row(kbase + cols[ahead] * ks2, row_bytes);
+      else if (ahead - n < n) fetch_row(vbase + cols[ahead - n] * vs2, row_bytes);
       kr[t] = kbase + cols[j + t] * ks2;
     }
     for (int64_t g = 0; g < group; ++g) {
