@@ -20,9 +20,14 @@ runs the same computation with less per-step overhead:
   straight from the fused Q/K/V rows) for a whole prompt, and through its `chunk_attention` for
   a job's left-padded rows and a prompt's later chunks (each row over its real columns, cached
   ones included, read in place from the cache); a whole float32 prompt of up to 640 tokens
-  through the AVX2 build's `packed_attention` (a CPU without AVX-512); elsewhere torch's
+  (and each prompt of a left-padded job's first chunk) through the AVX2 build's
+  `packed_attention` (a CPU without AVX-512); elsewhere torch's
   `F.scaled_dot_product_attention` with grouped-query heads, reading the window in place
-  (`generate.kvcache.WindowLayer` returns views; `LeanLlama._attend`).
+  (`generate.kvcache.WindowLayer` returns views). All of it per segment, in
+  `runners.llama_attention`;
+* a job's left padding left out of the forward's products: the products, norms and MLP run
+  over the real tokens only (`llama_attention.SegmentPlan.keep`); the cache keeps its padded
+  layout.
 
 * a decode step of the running batch whose products all take the few-row bfloat16 ops runs
   its decoder layers in one call of the C++ op `decode_layers` (the same ops, in the same order,
@@ -50,6 +55,7 @@ import torch.nn.functional as F
 from lenbatch.runners.base import Segment
 from lenbatch.runners.decode_attention import amx_allowed, decode_attention_op
 from lenbatch.runners.linears import rounded_tokens
+from lenbatch.runners.llama_attention import LlamaAttention
 from lenbatch.runners.rowlinears import GateUpSilu, GroupLinear, RowLinear
 from lenbatch.runners.weightonly import LinearPlan, make_gate_up_silu, make_linear
 
@@ -61,12 +67,6 @@ log = logging.getLogger("lenbatch.runner")
 # `decode_layers` could run them in one (A/B runs, tests).
 _ONE_CALL_ENV = "LENBATCH_DECODE_LAYERS"
 _PROMPT_ENV = "LENBATCH_PROMPT_ATTENTION"  # auto, or sdpa: torch's attention for float32 prompts
-# Longest prompt the AVX2 loop takes: it reads a head's values once per pair of queries, which
-# stays in L2 to ~600 tokens; torch's flash attention, tiled over keys, wins beyond. SmolLM2's
-# shapes on an AMD EPYC family 25 model 1, 2 threads, per layer: 1.29-2.4x torch's up to 512
-# tokens, 1.17x at 640, 0.96x at 768, 0.85x at 1024 (bench/prompt_attention.py).
-_AVX2_PROMPT_MAX = 640
-
 # Architectures whose forward is exactly the Llama one this module implements.
 _LLAMA_TYPES = ("llama",)
 
@@ -163,7 +163,7 @@ class LeanLlama:
             and self.kernel.has_amx()
             and amx_allowed()
         )
-        # A whole float32 prompt's causal attention (up to `_AVX2_PROMPT_MAX` tokens) through
+        # A whole float32 prompt's causal attention (up to `AVX2_PROMPT_MAX` tokens) through
         # the AVX2 build's loop (a CPU without AVX-512: a Zen 3), from the same fused rows: each
         # query block scores only the keys up to its own, in registers, where torch's flash
         # attention tiles and rescales. `bench/results/zen3-model1/prompt-attention-avx2.md`;
@@ -219,6 +219,15 @@ class LeanLlama:
         device = self.embed.device
         self.cos = emb.cos().to(device=device, dtype=self.dtype)
         self.sin = emb.sin().to(device=device, dtype=self.dtype)
+        self.attention = LlamaAttention(
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            cos=self.cos,
+            sin=self.sin,
+            tiles=self.tiles,
+            prompt_op=self.prompt_op,
+        )
 
     def describe(self) -> str:
         """One line for the start-up log: how the linears run, and which kernel runs the
@@ -237,91 +246,6 @@ class LeanLlama:
         if self.prompt_op and not self.tiles:
             line += "; whole prompts' attention in lenbatch's AVX2 loop (float32, causal)"
         return line
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    @staticmethod
-    def attention_mask(mask: torch.Tensor, new: int) -> torch.Tensor:
-        """Boolean `[rows, 1, new, width]` mask (True = attend) from the 2-D padding mask
-        `[rows, width]` whose last `new` columns are the queries: causal over the new columns,
-        padding excluded; each query sees at least its own column (a padding query's output is
-        unused, but a fully masked row would make attention NaN)."""
-        real = mask.bool()
-        if new == 1:
-            return real[:, None, None, :]
-        width = real.shape[1]
-        past = width - new
-        q = torch.arange(new, device=mask.device)[:, None] + past
-        k = torch.arange(width, device=mask.device)[None, :]
-        causal = k <= q
-        allowed = causal[None] & real[:, None, :]
-        allowed |= (k == q)[None]
-        return allowed[:, None]
-
-    def _prefill_mask(self, seg: Segment) -> torch.Tensor | None:
-        """The segment's boolean attention mask, or None for a whole unpadded prompt (no
-        cached columns before it, no padding): then attention is plain causal, which torch's
-        flash attention runs without a mask, skipping the blocks above the diagonal (a
-        500-token prompt's attention took 0.86 instead of 1.09 ms per layer, and no mask
-        conversion)."""
-        new = int(seg.input_ids.shape[1])
-        if new > 1 and int(seg.mask.shape[1]) == new and bool(seg.mask.all()):
-            return None
-        return self.attention_mask(seg.mask, new)
-
-    @staticmethod
-    def _first_columns(seg: Segment) -> torch.Tensor | None:
-        """For a prompt chunk (several new columns) whose rows' real columns each run
-        unbroken to the end (left padding only, as a prefill job's rows lie): each row's first
-        real column, which `chunk_attention` takes. None for a decode step, or for a mask
-        with holes."""
-        new, width = int(seg.input_ids.shape[1]), int(seg.mask.shape[1])
-        if new == 1:
-            return None
-        real = seg.mask.bool()
-        starts = width - real.sum(dim=1)
-        cols = torch.arange(width, device=real.device)
-        if not torch.equal(real, cols[None, :] >= starts[:, None]):
-            return None
-        return starts
-
-    def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Attention of `q` `[rows, heads, new, dim]` over the cached `keys`/`values`.
-
-        A decode step (one query per row) puts the query heads that share a key/value head
-        side by side as that head's queries, `[rows, kv_heads, group, dim]`: one product per
-        key/value head, each key read once. Torch's CPU attention with `enable_gqa` runs one
-        query at a time per head instead, which in bfloat16 took 10 ms against 1.5 ms per
-        layer for 32 rows x 311 columns (AMD EPYC Zen 4, 1 thread, shared machine). Where the
-        decode-attention op is built, a decode step runs it instead: the same grouping, over
-        each row's real columns only.
-        """
-        rows, nh, new, hd = q.shape
-        nkv = self.kv_heads
-        if mask is None:  # a whole unpadded prompt: causal, no mask
-            return F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self.scale, enable_gqa=nh != nkv
-            )
-        if new == 1 and self.kernel is not None:
-            flat = q.reshape(rows, nh, hd).contiguous()
-            out: torch.Tensor = self.kernel.decode_attention(
-                flat, keys, values, mask[:, 0, 0, :], self.scale
-            )
-            return out.view(rows, nh, 1, hd)
-        if new == 1 and nh != nkv:
-            grouped = q.view(rows, nkv, nh // nkv, hd)
-            out = F.scaled_dot_product_attention(
-                grouped, keys, values, attn_mask=mask, scale=self.scale
-            )
-            return out.view(rows, nh, 1, hd)
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=nh != nkv
-        )
 
     def _add_norm(
         self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
@@ -432,13 +356,16 @@ class LeanLlama:
             done = self._layers_in_one_call(segments[0])
             if done is not None:
                 return [done]
-        nh, nkv, hd, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
-        sizes = [s.input_ids.shape for s in segments]
-        counts = [int(r) * int(n) for r, n in sizes]
+        hidden, kernel = self.hidden, self.kernel
+        plans = [self.attention.plan(s, kernel) for s in segments]
+        counts = [p.tokens for p in plans]
         offsets = [sum(counts[:j]) for j in range(len(counts))]
         tokens = sum(counts)
         one = len(segments) == 1
-        ids = [s.input_ids.reshape(-1) for s in segments]
+        ids = [
+            s.input_ids.reshape(-1) if p.keep is None else s.input_ids.reshape(-1)[p.keep]
+            for s, p in zip(segments, plans, strict=True)
+        ]
         h = F.embedding(ids[0] if one else torch.cat(ids), self.embed)  # [tokens, hidden]
         # Zero rows up to the rounded count stay zero through every layer (RMSNorm of zeros,
         # products of zeros); attention and the cache see only the real tokens.
@@ -446,61 +373,16 @@ class LeanLlama:
         pad = stream - tokens
         if pad:
             h = F.pad(h, (0, 0, 0, pad))
-        filler = [h.new_zeros(pad, nh * hd)] if pad else []  # the attention output's zero rows
-        tables = [(self.cos[s.positions], self.sin[s.positions]) for s in segments]
-        masks = [self._prefill_mask(s) for s in segments]
-        kernel = self.kernel  # the C++ op rotates queries and keys in place where it is built
-        tiles = self.tiles and kernel is not None
-        prompt_op = self.prompt_op and kernel is not None
-        # Prompt chunks with a mask (a job's left-padded rows; a later chunk, over its cached
-        # columns) take the tile attention too, each row over its real columns.
-        firsts = [
-            self._first_columns(s) if tiles and m is not None else None
-            for s, m in zip(segments, masks, strict=True)
-        ]
+        filler = [h.new_zeros(pad, self.heads * self.head_dim)] if pad else []
         shape = (hidden,)
         x = F.rms_norm(h, shape, self.layers[0].ln1, self.eps)
         last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv_all = layer.qkv(x, stream)
-            parts = []
-            for j, seg in enumerate(segments):
-                rows, new = sizes[j]
-                qkv = qkv_all[offsets[j] : offsets[j] + counts[j]].view(rows, new, nh + 2 * nkv, hd)
-                cos, sin = tables[j]
-                if kernel is not None:  # queries and keys rotated in place, one pass
-                    kernel.rope(qkv, cos, sin, nh + nkv)
-                    qkv = qkv.transpose(1, 2)
-                    q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
-                else:
-                    qkv = qkv.transpose(1, 2)
-                    q = self._rotate(qkv[:, :nh], cos[:, None], sin[:, None])
-                    k = self._rotate(qkv[:, nh : nh + nkv], cos[:, None], sin[:, None])
-                v = qkv[:, nh + nkv :]
-                keys, values = seg.cache.update(k, v, i)
-                rows_qkv = qkv_all[offsets[j] : offsets[j] + counts[j]]
-                whole = (
-                    masks[j] is None
-                    and prompt_op
-                    and (self.tiles or new <= _AVX2_PROMPT_MAX)
-                    and rows_qkv.is_contiguous()
-                )
-                if whole and kernel is not None:
-                    # whole prompts: straight from their rows (rotated in place above)
-                    starts = torch.arange(0, counts[j] + 1, new, dtype=torch.long)
-                    parts.append(
-                        kernel.packed_attention(rows_qkv, starts, nh, self.scale, True, nkv, True)
-                    )
-                    continue
-                first = firsts[j]
-                if first is not None and kernel is not None and rows_qkv.is_contiguous():
-                    # each row over its real columns; the padding's output is zero
-                    parts.append(
-                        kernel.chunk_attention(rows_qkv, keys, values, first, nh, self.scale)
-                    )
-                    continue
-                a = self._attend(q, keys, values, masks[j]).transpose(1, 2)
-                parts.append(a.reshape(counts[j], nh * hd))
+            parts = [
+                self.attention.run(p, qkv_all[off : off + p.tokens], seg.cache, i, kernel)
+                for p, off, seg in zip(plans, offsets, segments, strict=True)
+            ]
             parts += filler
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = self._add_norm(h, layer.o(a, stream), layer.ln2)
@@ -509,17 +391,11 @@ class LeanLlama:
                 h, x = self._add_norm(h, down, self.layers[i + 1].ln1)
             else:
                 h = h + down
-        if one:
-            rows, new = sizes[0]
-            last_h = h[:tokens].view(rows, new, hidden)[:, -1]
+        if one and plans[0].keep is None:
+            last_h = h[:tokens].view(plans[0].rows, plans[0].new, hidden)[:, -1]
         else:
-            # each row's last column: row r of segment j sits at offsets[j] + r * new + new - 1
-            idx = torch.cat(
-                [
-                    torch.arange(int(r), device=h.device) * int(n) + (off + int(n) - 1)
-                    for (r, n), off in zip(sizes, offsets, strict=True)
-                ]
-            )
-            last_h = h.index_select(0, idx)
+            # each row's last token in the stream
+            idx = torch.cat([p.last_rows(off) for p, off in zip(plans, offsets, strict=True)])
+            last_h = h.index_select(0, idx.to(h.device))
         logits = self._logits(last_h)
-        return [logits] if one else list(logits.split([int(r) for r, _ in sizes]))
+        return [logits] if one else list(logits.split([p.rows for p in plans]))
