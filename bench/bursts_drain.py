@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from lenbatch.core.adaptive import _DRIFT_MAX, _QUEUE_DRIFT_ALPHA
+from lenbatch.core.adaptive_learning import _DRIFT_MAX, _QUEUE_DRIFT_ALPHA
 from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
 
 BATCH = re.compile(r"size=(\d+) width=(\d+) real=(\d+) packed=\w+ exec_ms=([\d.]+)")

@@ -56,7 +56,7 @@ class LiveServer:
     def __init__(self, engine: Engine, settings: Settings | None = None, http: Any = None) -> None:
         """`http`: uvicorn's protocol (default: the one `serve` runs, which stamps each
         request's read time)."""
-        from lenbatch.serving.http import stamping_protocol
+        from lenbatch.serving.server import stamping_protocol
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -19,7 +19,7 @@ from lenbatch.config import BatchingConfig
 from lenbatch.core.clock import FakeClock, MonotonicClock
 from lenbatch.embed.engine import Engine
 from lenbatch.runners import EmbeddingRunner
-from lenbatch.serving.http import RECEIVED, received_at
+from lenbatch.serving.server import RECEIVED, received_at
 
 _GAP_S = 0.4
 

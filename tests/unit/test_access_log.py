@@ -10,7 +10,7 @@ import pytest
 from lenbatch.cli import build_parser
 from lenbatch.cli.serve import settings_from_args
 from lenbatch.config import Settings
-from lenbatch.serving import http
+from lenbatch.serving import server
 
 
 def test_off_by_default_and_on_with_the_flag() -> None:
@@ -26,7 +26,7 @@ def test_serve_app_hands_the_setting_to_uvicorn(
     wanted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Any] = []
-    monkeypatch.setattr(http.DrainingServer, "run", lambda self: seen.append(self.config))
+    monkeypatch.setattr(server.DrainingServer, "run", lambda self: seen.append(self.config))
     settings = Settings.model_validate({"server": {"access_log": wanted}})
-    http.serve_app(object(), object(), settings)  # type: ignore[arg-type]
+    server.serve_app(object(), object(), settings)  # type: ignore[arg-type]
     assert [c.access_log for c in seen] == [wanted]

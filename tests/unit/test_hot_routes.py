@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput
-from lenbatch.serving.http import add_hot_route, hot_headers, new_app
+from lenbatch.serving.hotroute import add_hot_route, hot_headers
+from lenbatch.serving.http import new_app
 
 
 def _app(max_body: int = 4096, api_key: str | None = None, cors: tuple[str, ...] = ()) -> Any:

@@ -277,8 +277,8 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     log.info("memory allocator: %s", allocator)
-    from lenbatch.serving.http import serve_app
     from lenbatch.serving.lengthlog import LengthLog
+    from lenbatch.serving.server import serve_app
 
     if getattr(args, "ray", False):
         return _run_ray(args, settings.for_model(models[0]))

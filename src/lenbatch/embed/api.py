@@ -3,7 +3,8 @@
 server's `Engine`, or the Ray ingress's front-end).
 
 The routes only validate the body's shape and call the engine; the app shell (guard, error
-shape, validation messages, draining server) is `lenbatch.serving.http`.
+shape, validation messages) is `lenbatch.serving.http`, the hot route's machinery
+`lenbatch.serving.hotroute`, the draining server `lenbatch.serving.server`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,11 @@ from lenbatch.core.errors import BadInput
 from lenbatch.embed.prompting import cut_dimensions, prompt_for, prompted
 from lenbatch.embed.protocol import EmbeddingRequest, dumps, encode_vector
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import (
-    add_hot_route,
-    check_model,
-    engine_app,
-    hot_headers,
-    received_at,
-    serve_app,
-    watched,
-)
+from lenbatch.serving.hotroute import add_hot_route, hot_headers
+from lenbatch.serving.http import check_model, engine_app, watched
 from lenbatch.serving.messages import Inputs
 from lenbatch.serving.routes import add_task_refusals
+from lenbatch.serving.server import received_at, serve_app
 from lenbatch.serving.services import EmbeddingService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
 

@@ -17,7 +17,8 @@ vLLM's `EngineCore.step()`:
   cost model, a crash). It runs in the batch's task as each model call returns, so a call's
   requests are answered then, not at the loop's next turn.
 
-The loop then sleeps until new work arrives, a batch finishes, or the scheduler's `wake_at`.
+A call's inputs are admitted and queued by `EmbeddingIntake` (`embed/intake.py`), the engine's
+base. The loop then sleeps until new work arrives, a batch finishes, or the scheduler's `wake_at`.
 When the model fails, `BatchRunner` isolates the failure: a poison input fails alone, an
 out-of-memory batch is split, a crashed runner turns the engine not-ready.
 
@@ -32,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import Any
 
 from lenbatch.config import (
     AdaptiveConfig,
@@ -45,7 +46,7 @@ from lenbatch.core.adaptive import AdaptiveState, build_state
 from lenbatch.core.batch import Batch, Decision
 from lenbatch.core.clock import Clock
 from lenbatch.core.costfit import CostCoefficients
-from lenbatch.core.errors import BadInput, LenbatchError, ModelFailed
+from lenbatch.core.errors import ModelFailed
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.occupancy import SlotGaps
 from lenbatch.core.recovery import BatchCaps
@@ -62,16 +63,16 @@ from lenbatch.embed.batches import (
     Returned,
     Started,
 )
-from lenbatch.embed.inputs import InputReader, tokenize_checked
+from lenbatch.embed.inputs import InputReader
+from lenbatch.embed.intake import EmbeddingIntake
 from lenbatch.embed.refit import LiveRefit
 from lenbatch.embed.warmup import warm_up
 from lenbatch.runners.base import EmbeddingRunner
 from lenbatch.serving.budget import ComputeBudget
-from lenbatch.serving.engine import BaseEngine
-from lenbatch.serving.ledger import FutureReply, Ticket
+from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.lifecycle import EngineState
-from lenbatch.serving.messages import CallOptions, Embedded, Inputs, Vector
+from lenbatch.serving.messages import Embedded, Inputs, Vector
 from lenbatch.serving.servercpu import request_side_cpu_s
 from lenbatch.serving.workers import usable_cores
 
@@ -80,8 +81,8 @@ __all__ = ["Embedded", "Engine", "EngineState", "Inputs"]
 log = logging.getLogger("lenbatch.embed.engine")
 
 
-class Engine(BaseEngine[Vector]):
-    """Length-aware dynamic batching in front of an `EmbeddingRunner`."""
+class Engine(EmbeddingIntake):
+    """Length-aware dynamic batching in front of an `EmbeddingRunner` (calls: `EmbeddingIntake`)."""
 
     def __init__(
         self,
@@ -214,121 +215,6 @@ class Engine(BaseEngine[Vector]):
         if self.adaptive is not None:
             self.metrics.set_adaptive(self.adaptive.describe(self.lane_labels, self.clock.now()))
         return super().prometheus()
-
-    # ------------------------------------------------------------------ submitting
-
-    def tokenize(self, texts: Sequence[str], truncate: bool | None = None) -> list[list[int]]:
-        """Token ids of `texts` (the caller drops the text afterwards).
-
-        Raises `BadInput` for an empty text, one that is not valid Unicode, or one the
-        tokenizer cannot process (the error names the input's index, never its content).
-        """
-        truncate = self.default_truncate if truncate is None else truncate
-        return tokenize_checked(self.runner.tokenize, texts, truncate)
-
-    async def embed(self, inputs: Inputs, **options: Unpack[CallOptions]) -> list[Vector]:
-        """Embed each input (a text, or a token-id array); one vector per input, in order.
-
-        Raises a `LenbatchError` (bad input, too long, overloaded, deadline, model failure,
-        unavailable); with several inputs its message starts with the failing input's index.
-        If the caller is cancelled, its requests leave the queue before they cost compute.
-        """
-        return (await self.embed_with_usage(inputs, **options)).vectors
-
-    async def embed_with_usage(self, inputs: Inputs, **options: Unpack[CallOptions]) -> Embedded:
-        """`embed`, also counting the tokens embedded (OpenAI's `usage.prompt_tokens`).
-
-        The one path from a call's inputs to its answer: tokenize (texts), check the
-        vocabulary (token arrays), truncate if asked, admit (length, budget, queue and rate
-        limits), queue, and wait for every vector.
-        """
-        priority = options.get("priority", 0)
-        self.check_running()
-        self.check_priority(priority)
-        # Too long for the model: cut here if asked; otherwise admission refuses it (413).
-        seqs = await self.inputs.read(inputs, options.get("truncate"))
-        vectors = await self.submit_ids(
-            seqs, None, priority, options.get("timeout"), options.get("arrival")
-        )
-        return Embedded(vectors, sum(len(x) for x in seqs))
-
-    def check_priority(self, priority: int) -> None:
-        """Raise `BadInput` unless `priority` is one of this server's levels."""
-        if isinstance(priority, bool) or not 0 <= priority < self.priority_levels:
-            allowed = (
-                "0 (this server has one priority level: start it with --priority-levels N for more)"
-                if self.priority_levels == 1
-                else f"an integer in [0, {self.priority_levels - 1}] (higher runs first)"
-            )
-            raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
-
-    async def submit_ids(
-        self,
-        seqs: list[list[int]],
-        segments: list[list[int]] | None,
-        priority: int,
-        timeout: float | None,
-        arrival: float | None = None,
-    ) -> list[Vector]:
-        """Admit tokenized inputs (with their segment ids, if pairs), queue each by its length,
-        and wait for every row; raises the refusal or the first failure (its message starts
-        with the failing input's index when there are several). `arrival`: when the route
-        received the call (latency, due time and timeout count from it; None: now)."""
-        self.check_running()  # drained while this request was tokenizing
-        loop = asyncio.get_running_loop()
-        now = self.clock.now()
-        # What the call waited since its route took it (tokenizing, the tokenizer threads)
-        # counts against its SLO: `adaptive` plans with the time it has left, not a fresh one.
-        arrival = now if arrival is None else min(arrival, now)
-        self.metrics.record_intake(now - arrival)
-        refusal = self.admission.check([len(s) for s in seqs], self.queues, now)
-        if refusal is not None:
-            self.metrics.record_rejection(refusal.code)
-            raise refusal
-        timeout = timeout if timeout is not None else self.request_timeout
-        deadline = None if timeout is None else arrival + timeout
-        ad = self.adaptive
-        due = None
-        if ad is not None:
-            due = ad.due_of(arrival, priority, timeout)
-            shed = ad.admit([len(s) for s in seqs], due, self.queues, self.cfg, now, priority)
-            if shed is not None:
-                self.metrics.record_rejection(shed.code)
-                self.metrics.record_shed("admission")
-                raise shed
-        requests: list[Request[Ticket[Vector]]] = []
-        for i, x in enumerate(seqs):
-            r: Request[Ticket[Vector]] = Request(
-                len(x), arrival, x, deadline=deadline, priority=priority
-            )
-            if segments is not None:
-                r.token_type_ids = segments[i]
-            r.handle = Ticket(r, FutureReply(loop.create_future()))
-            r.due = due
-            lane = self.queues.push(r)
-            if ad is not None:
-                ad.on_arrival(lane, r.length, now)
-            if self.refit is not None:
-                self.refit.observe(r.length)
-            requests.append(r)
-        self.metrics.record_priority(priority, len(requests))
-        self.ledger.admit(r.handle for r in requests)
-        self._kick()
-        try:
-            if len(requests) == 1:  # most calls: no gathering future and its callbacks
-                return [await _future(requests[0])]
-            return list(await asyncio.gather(*(_future(r) for r in requests)))
-        except LenbatchError as err:
-            culprit = next((i for i, r in enumerate(requests) if _failed_with(r, err)), None)
-            if len(requests) == 1 or culprit is None:
-                raise
-            raise type(err)(
-                f"input {culprit}: {err.message}", retry_after=err.retry_after, code=err.code
-            ) from None
-        finally:
-            # On error or cancellation: nobody wants the siblings any more.
-            for r in requests:
-                self.ledger.cancel(r.handle)
 
     # ------------------------------------------------------------------ the loop
 
@@ -531,17 +417,6 @@ class Engine(BaseEngine[Vector]):
 
 def _wanted(r: Request[Ticket[Vector]]) -> bool:
     return not r.handle.finished
-
-
-def _future(r: Request[Ticket[Vector]]) -> asyncio.Future[Vector]:
-    reply = r.handle.reply
-    assert isinstance(reply, FutureReply)
-    return reply.future
-
-
-def _failed_with(r: Request[Ticket[Vector]], err: BaseException) -> bool:
-    fut = _future(r)
-    return fut.done() and not fut.cancelled() and fut.exception() is err
 
 
 def _torch_threads() -> int:

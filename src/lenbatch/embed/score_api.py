@@ -40,15 +40,10 @@ from lenbatch.embed.score_protocol import (
     probabilities,
 )
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import (
-    check_model,
-    engine_app,
-    received_at,
-    serve_app,
-    unless_disconnected,
-)
+from lenbatch.serving.http import check_model, engine_app, unless_disconnected
 from lenbatch.serving.messages import PairInputs, Predicted
 from lenbatch.serving.routes import add_task_refusals
+from lenbatch.serving.server import received_at, serve_app
 from lenbatch.serving.services import ScoringService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
 

@@ -33,15 +33,11 @@ from lenbatch.generate.protocol import (
     usage,
 )
 from lenbatch.runners.tokenizer import TextTokenizer
-from lenbatch.serving.http import (
-    check_model,
-    engine_app,
-    error_response,
-    received_at,
-    unless_disconnected,
-)
+from lenbatch.serving.http import check_model, engine_app, unless_disconnected
+from lenbatch.serving.http_errors import error_response
 from lenbatch.serving.messages import Delta
 from lenbatch.serving.routes import add_task_refusals
+from lenbatch.serving.server import received_at
 from lenbatch.serving.services import GenerationHandle, GenerationService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
 

@@ -34,7 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput, ModelNotFound
 from lenbatch.serving.budget import ComputeBudget
-from lenbatch.serving.http import error_response, freeze_heap, guarded, new_app
+from lenbatch.serving.http import freeze_heap, guarded, new_app
+from lenbatch.serving.http_errors import error_response
 from lenbatch.serving.lifecycle import EngineState
 from lenbatch.serving.routes import TASK_ROUTES, tasks_phrase
 from lenbatch.serving.services import Service

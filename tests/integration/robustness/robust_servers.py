@@ -23,7 +23,7 @@ import uvicorn
 from lenbatch.config import Settings
 from lenbatch.embed.api import create_app
 from lenbatch.embed.engine import Engine
-from lenbatch.serving.http import DrainingServer
+from lenbatch.serving.server import DrainingServer
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from lenbatch.config import BatchingConfig, GenerationConfig, Settings
 from lenbatch.generate import GenerationEngine
 from lenbatch.generate.api import create_llm_app
 from lenbatch.runners.base import ModelInfo
-from lenbatch.serving.http import DrainingServer
+from lenbatch.serving.server import DrainingServer
 
 pytestmark = pytest.mark.slow
 
