@@ -44,7 +44,8 @@ from lenbatch.core.clock import Clock
 from lenbatch.core.errors import BadInput, InputTooLong, LenbatchError
 from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
-from lenbatch.generate.adaptive import AdaptiveGenPolicy, GenCosts, door_state, queued_requests
+from lenbatch.generate.adaptive import AdaptiveGenPolicy, door_state, queued_requests
+from lenbatch.generate.costs import GenCosts
 from lenbatch.generate.decode import Decoder, UnitResult
 from lenbatch.generate.failures import Recovery, recover
 from lenbatch.generate.generation import Generation, Timings
