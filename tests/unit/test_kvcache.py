@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from lenbatch.generate import kvcache
+from lenbatch.generate import windowcache
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
 
 HEADS, DIM, LAYERS = 2, 3, 2
@@ -185,7 +185,7 @@ def test_uninitialised_buffers_never_reach_a_window(monkeypatch: pytest.MonkeyPa
     into a NaN output): through adoption, merges wider and larger than the headroom, appends
     past it and out-of-order selection, every column a window shows is finite, and a
     fixed-shape refit of a buffer never zero-filled gets one that is finite throughout."""
-    monkeypatch.setattr(kvcache, "_fresh", _poisoned)
+    monkeypatch.setattr(windowcache, "_fresh", _poisoned)
     a = _batch([3, 1], 0)
     assert _window_is_finite(a)
     a = merge(a, _batch([20], 500))  # grows left within the headroom
