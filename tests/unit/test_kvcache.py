@@ -161,7 +161,7 @@ def test_select_in_any_order_keeps_each_rows_keys_and_values() -> None:
 def test_rows_that_end_are_replaced_from_the_tail() -> None:
     """The places of ended rows are filled by the last rows that stay, in order; the others
     keep their places."""
-    from lenbatch.generate.decode import fill_from_tail
+    from lenbatch.generate.kvcache import fill_from_tail
 
     assert fill_from_tail([False, True, False, False, True, False]) == [0, 5, 2, 3]
     assert fill_from_tail([True, False, False]) == [2, 1]

@@ -27,7 +27,7 @@ DECODE_PRIOR = CostCoefficients(0.035, 8e-6, 0.0)  # rows x cache width
 
 
 class _Result(Protocol):
-    """A unit's figures (`generate.decode.UnitResult`)."""
+    """A unit's figures (`generate.jobs.UnitResult`)."""
 
     @property
     def kind(self) -> str: ...

@@ -46,9 +46,10 @@ from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
 from lenbatch.generate.adaptive import AdaptiveGenPolicy, door_state, queued_requests
 from lenbatch.generate.costs import GenCosts
-from lenbatch.generate.decode import Decoder, UnitResult
+from lenbatch.generate.decode import Decoder
 from lenbatch.generate.failures import Recovery, recover
 from lenbatch.generate.generation import Generation, Timings
+from lenbatch.generate.jobs import UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import DecodePolicy, Unit, make_policy
 from lenbatch.generate.prompts import PromptCalls, Prompts

@@ -8,8 +8,9 @@ exact, because all rows write their next token to the same column:
   (`WindowLayer.update`); nothing is concatenated or reallocated per step, except when the
   buffer's headroom runs out (it then doubles, so that cost is amortised);
 * **select** rows (drop finished or cancelled sequences): compact the kept rows to the front of
-  the buffer, then move the window's start past columns that are padding in every remaining row
-  (a pointer move), so finished sequences stop costing attention compute;
+  the buffer (in the order `fill_from_tail` gives: one row's copy per row that ended), then move
+  the window's start past columns that are padding in every remaining row (a pointer move), so
+  finished sequences stop costing attention compute;
 * **merge** (newly prefilled rows join the running batch): copy the new rows' keys and values
   into free rows of the buffer, right-aligned; if they are wider than the running batch, the
   window grows to the left into the buffer's headroom (no running row is moved).
@@ -33,7 +34,7 @@ import torch
 
 from lenbatch.generate.windowcache import WindowCache, WindowLayer
 
-__all__ = ["KVBatch", "cache_bytes", "merge"]
+__all__ = ["KVBatch", "cache_bytes", "fill_from_tail", "merge"]
 
 
 def _plain_layers(cache: Any) -> list[Any]:
@@ -240,3 +241,13 @@ def merge(a: KVBatch | None, b: KVBatch) -> KVBatch:
         return b
     a.join(b.cache, b.mask, b.next_pos, b.last)
     return a
+
+
+def fill_from_tail(done: list[bool]) -> list[int]:
+    """The rows to keep, in their new order, when rows `done` leave: a row that stays keeps
+    its place unless that place is past the new end, and then it fills the first free place
+    (rows after the new end move, in order, to the places the ended rows left)."""
+    n = len(done) - sum(done)
+    tail = [i for i in range(n, len(done)) if not done[i]]
+    movers = iter(tail)
+    return [next(movers) if done[i] else i for i in range(n)]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from lenbatch.core.clock import Clock
 from lenbatch.core.queues import Queues
-from lenbatch.generate.decode import Decoder, UnitResult
+from lenbatch.generate.decode import Decoder
 from lenbatch.generate.failures import Recovery
 from lenbatch.generate.generation import Generation
+from lenbatch.generate.jobs import UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.streams import ticket_of
 from lenbatch.serving.ledger import Ledger
