@@ -17,11 +17,11 @@ from lenbatch.core.errors import Overloaded, Unavailable
 from lenbatch.core.request import Request
 from lenbatch.generate.adaptive import (
     AdaptiveGenPolicy,
-    GenCosts,
     RunningRow,
     delivered,
     door_state,
 )
+from lenbatch.generate.costs import GenCosts
 
 # decode: 30 ms + 10 us per row x cache column; prefill: 10 ms + 1 ms per prompt token
 DECODE = CostCoefficients(0.03, 1e-5, 0.0)

@@ -12,7 +12,8 @@ import pytest
 
 from lenbatch.config import AdaptiveConfig, GenerationConfig
 from lenbatch.core.costfit import CostCoefficients
-from lenbatch.generate.adaptive import AdaptiveGenPolicy, GenCosts
+from lenbatch.generate.adaptive import AdaptiveGenPolicy
+from lenbatch.generate.costs import GenCosts
 from lenbatch.generate.policy import ContinuousPolicy
 from lenbatch.plan.gensim import GenRequest, goodput, simulate_generation
 
@@ -89,7 +90,7 @@ def test_simulate_generation_cli_prints_each_cap_and_adaptive(
     row per load with every cap's goodput and adaptive's; its default costs are the priors."""
     from lenbatch.cli import build_parser
     from lenbatch.cli import gensim as cli
-    from lenbatch.generate.adaptive import DECODE_PRIOR, PREFILL_PRIOR
+    from lenbatch.generate.costs import DECODE_PRIOR, PREFILL_PRIOR
 
     assert (cli.PREFILL_DEFAULT, cli.DECODE_DEFAULT) == (PREFILL_PRIOR, DECODE_PRIOR)
     args = build_parser().parse_args(

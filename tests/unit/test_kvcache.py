@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from lenbatch.generate import kvcache
+from lenbatch.generate import windowcache
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, merge
 
 HEADS, DIM, LAYERS = 2, 3, 2
@@ -161,7 +161,7 @@ def test_select_in_any_order_keeps_each_rows_keys_and_values() -> None:
 def test_rows_that_end_are_replaced_from_the_tail() -> None:
     """The places of ended rows are filled by the last rows that stay, in order; the others
     keep their places."""
-    from lenbatch.generate.decode import fill_from_tail
+    from lenbatch.generate.kvcache import fill_from_tail
 
     assert fill_from_tail([False, True, False, False, True, False]) == [0, 5, 2, 3]
     assert fill_from_tail([True, False, False]) == [2, 1]
@@ -185,7 +185,7 @@ def test_uninitialised_buffers_never_reach_a_window(monkeypatch: pytest.MonkeyPa
     into a NaN output): through adoption, merges wider and larger than the headroom, appends
     past it and out-of-order selection, every column a window shows is finite, and a
     fixed-shape refit of a buffer never zero-filled gets one that is finite throughout."""
-    monkeypatch.setattr(kvcache, "_fresh", _poisoned)
+    monkeypatch.setattr(windowcache, "_fresh", _poisoned)
     a = _batch([3, 1], 0)
     assert _window_is_finite(a)
     a = merge(a, _batch([20], 500))  # grows left within the headroom

@@ -13,7 +13,7 @@ from lenbatch.core.costfit import CostCoefficients
 
 __all__ = ["register", "run"]
 
-# `generate.adaptive`'s generic priors, repeated here so that building the parser imports no
+# `generate.costs`' generic priors, repeated here so that building the parser imports no
 # torch (a test checks they agree).
 PREFILL_DEFAULT = CostCoefficients(0.02, 3e-4, 0.0)
 DECODE_DEFAULT = CostCoefficients(0.035, 8e-6, 0.0)
@@ -67,7 +67,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print one table row per load: each cap's goodput, adaptive's, and its refusals."""
-    from lenbatch.generate.adaptive import AdaptiveGenPolicy, GenCosts
+    from lenbatch.generate.adaptive import AdaptiveGenPolicy
+    from lenbatch.generate.costs import GenCosts
     from lenbatch.generate.policy import ContinuousPolicy
     from lenbatch.plan.gensim import goodput, requests_of, scaled, simulate_generation
     from lenbatch.plan.trace import load_trace, map_trace

@@ -5,8 +5,8 @@ Continuous batching with a fixed running cap has to be tuned to the load: a larg
 decode step (and the prefill chunks between steps) grow past the inter-token budget, a small one
 queues prompts until their first token is seconds late; past capacity either way the queue grows
 without bound and every request misses its TTFT. This policy instead reads two online cost
-models (`GenCosts`: one for prefill chunks, one for decode steps, in the house's `WorkKind` terms)
-and decides each step:
+models (`generate.costs.GenCosts`: one for prefill chunks, one for decode steps, in the house's
+`WorkKind` terms) and decides each step:
 
 * **room** (`AdaptiveGenPolicy.capacity`): the most rows whose decode step, plus the prefill chunk
   that may run between two steps, fits the inter-token SLO (never above `max_running`);
@@ -38,29 +38,20 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from lenbatch.config import AdaptiveConfig, GenerationConfig, ShedMode
-from lenbatch.core.costfit import CostCoefficients, OnlineCostModel
-from lenbatch.core.costkey import CostBook, WorkKind
 from lenbatch.core.decisions import DecisionLog, ShedDecision
 from lenbatch.core.errors import LenbatchError, Overloaded, Unavailable
 from lenbatch.core.request import Request
+from lenbatch.generate.costs import GenCosts
 from lenbatch.generate.policy import Unit
 
 __all__ = [
     "ADMIT_SHARE",
-    "DECODE_PRIOR",
-    "PREFILL_PRIOR",
     "AdaptiveGenPolicy",
-    "GenCosts",
     "GenSLO",
     "RunningRow",
     "delivered",
 ]
 
-# Generic priors for a ~100M-parameter Llama in bf16 on two CPU cores (SmolLM2-135M's order of
-# magnitude): ~35 ms per decode step plus attention over the cache, ~3k prompt tokens/s. The
-# online fit replaces them within a few dozen units.
-PREFILL_PRIOR = CostCoefficients(0.02, 3e-4, 0.0)  # rows x chunk columns
-DECODE_PRIOR = CostCoefficients(0.035, 8e-6, 0.0)  # rows x cache width
 # TTFT objective when `adaptive.slo_ms` is unset (the goodput bar of the generation issue).
 DEFAULT_TTFT_S = 1.0
 # Share of the inter-token budget the decode step may take alone; the rest is for a prefill chunk.
@@ -72,28 +63,6 @@ DECODE_SHARE = 0.6
 ADMIT_SHARE = 0.7
 # Smallest prefill chunk worth running (a smaller one pays the weights' pass for little work).
 MIN_CHUNK = 16
-
-
-class _Result(Protocol):
-    """A unit's figures (`generate.decode.UnitResult`)."""
-
-    @property
-    def kind(self) -> str: ...
-
-    @property
-    def rows(self) -> int: ...
-
-    @property
-    def padded(self) -> int: ...
-
-    @property
-    def compute_s(self) -> float: ...
-
-    @property
-    def prefill_rows(self) -> int: ...
-
-    @property
-    def prefill_padded(self) -> int: ...
 
 
 class _Core(Protocol):
@@ -135,82 +104,6 @@ class GenSLO:
         base = cfg.slo_ms / 1000 if cfg.slo_ms is not None else DEFAULT_TTFT_S
         levels = cfg.priority_slo_ms or (base * 1000,) * cfg.priority_levels
         return cls(tuple(v / 1000 for v in levels), cfg.itl_slo_ms / 1000)
-
-
-class GenCosts:
-    """The two cost models of a causal LM, learned online from the engine's own units.
-
-    `prefill`: `seconds(rows, chunk columns)` of one prefill chunk (`WorkKind.PREFILL_CHUNK`);
-    `decode`: `seconds(rows, cache width)` of one decode step (`WorkKind.DECODE_STEP`).
-    `drift` is the recent measured/predicted ratio of whole loop turns.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        window: int = 256,
-        *,
-        prefill_prior: CostCoefficients = PREFILL_PRIOR,
-        decode_prior: CostCoefficients = DECODE_PRIOR,
-    ) -> None:
-        self.prefill = OnlineCostModel(prefill_prior, window)
-        self.decode = OnlineCostModel(decode_prior, window)
-        self.prefill.source = self.decode.source = "generic prior"
-        self.book = CostBook()
-        self.book.put(model, WorkKind.PREFILL_CHUNK, self.prefill)
-        self.book.put(model, WorkKind.DECODE_STEP, self.decode)
-        self.drift = 1.0
-        self.width = 128.0  # moving average of the decode batch's cache width
-
-    def prefill_s(self, rows: float, cols: float) -> float:
-        """Predicted seconds of a prefill chunk, drift included."""
-        return self.drift * self.prefill.seconds(max(rows, 1), max(cols, 1))
-
-    def decode_s(self, rows: float, width: float | None = None) -> float:
-        """Predicted seconds of a decode step of `rows` rows (0 rows: none), drift included."""
-        if rows <= 0:
-            return 0.0
-        return self.drift * self.decode.seconds(rows, max(width or self.width, 1))
-
-    def observe(self, result: _Result, turn_s: float | None = None) -> None:
-        """Learn from one unit: the model call's seconds go to its cost model; the whole loop
-        turn (`turn_s`, when measured) against the prediction moves `drift`.
-
-        A mixed unit (a decode step and a prefill chunk in one forward) teaches the prefill
-        model what the chunk added to the decode step the decode model predicts: the chunk's
-        cost beside a step, which is what chunk sizing and the first-token prediction add to
-        the steps they count."""
-        if result.rows < 1 or result.padded < 1:
-            return
-        width = result.padded / result.rows
-        if result.kind == "mixed":
-            step = self.decode.seconds(result.rows, width)
-            predicted = step
-            prows = result.prefill_rows
-            if prows >= 1 and result.prefill_padded >= 1:
-                pcols = result.prefill_padded / prows
-                predicted += self.prefill.seconds(prows, pcols)
-                added = max(result.compute_s - step, 0.0)
-                self.prefill.observe(prows, max(1, round(pcols)), added)
-        else:
-            model = self.prefill if result.kind == "prefill" else self.decode
-            predicted = model.seconds(result.rows, width)
-            model.observe(result.rows, max(1, round(width)), result.compute_s)
-        if result.kind != "prefill":
-            self.width += 0.1 * (width - self.width)
-        if turn_s is not None and turn_s > 0 and predicted > 0:
-            ratio = min(4.0, max(0.25, turn_s / predicted))
-            # ~10 units of memory: a slowdown of the shared cores counts within a second.
-            self.drift = min(4.0, max(0.5, self.drift + 0.1 * (ratio - self.drift)))
-
-    def describe(self) -> dict[str, Any]:
-        """What `/stats` shows."""
-        return {
-            "prefill_chunk": self.prefill.describe(),
-            "decode_step": self.decode.describe(),
-            "drift": round(self.drift, 3),
-            "decode_width": round(self.width, 1),
-        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,12 @@
 """The compute side of generation: prefill jobs, the running decode batch, one unit at a time.
 
 `Decoder` holds what runs on the model: prefill jobs (scheduler batches being prefilled,
-possibly in chunks, each with its own KV cache) and the running decode batch (a right-aligned
-`KVBatch`). The engine asks a policy (lockstep or continuous) which unit to run next, then runs
-it in its worker thread through `prefill()` or `decode()`; each returns the tokens produced,
-which the event loop delivers. The decoder never touches the queues or the ledger. What happens
-when a unit raises is `lenbatch.generate.failures`.
+possibly in chunks, each with its own KV cache: `generate.jobs.PrefillJob`) and the running
+decode batch (a right-aligned `KVBatch`). The engine asks a policy (lockstep or continuous)
+which unit to run next, then runs it in its worker thread through `prefill()` or `decode()`;
+each returns the tokens produced (a `generate.jobs.UnitResult`), which the event loop delivers.
+The decoder never touches the queues or the ledger. What happens when a unit raises is
+`lenbatch.generate.failures`.
 
 A prefill unit runs columns `[done, done + cols)` of a left-padded job through the model with
 that job's cache; after its last chunk every row samples its first token and the job's rows join
@@ -17,70 +18,23 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from lenbatch.core.collate import Collated, collate
+from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
-from lenbatch.generate.kvcache import KVBatch, cache_bytes
+from lenbatch.generate.jobs import PrefillJob, UnitResult
+from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
 from lenbatch.generate.sampling import choose_tokens, mask_eos
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
 from lenbatch.serving.messages import Delta
 
-__all__ = ["Decoder", "PrefillJob", "UnitResult", "choose_next", "fill_from_tail"]
+__all__ = ["Decoder", "choose_next"]
 
 # Decode steps a new running batch's buffers take room for at once (columns after its window).
 _RESERVED_STEPS = 256
-
-
-@dataclass(eq=False)  # compared by identity (queue removal); fields hold arrays
-class PrefillJob:
-    """A scheduler batch being prefilled: its generations, padded inputs and partial cache."""
-
-    lane: int
-    gens: list[Generation]
-    batch: Collated
-    cache: Any
-    done_cols: int = 0
-    # False for the first half of a bisected batch: the scheduler counted the batch once, so
-    # only its last part frees the slot.
-    releases: bool = True
-    # Most columns per prefill chunk after this job ran out of memory (None: the policy's).
-    max_cols: int | None = None
-    # Prefilled in units of its own, never mixed with a decode step (after a mixed unit
-    # failed: alone, a failure is this job's or the running batch's, and recovered as such).
-    alone: bool = False
-
-    @property
-    def rows(self) -> int:
-        """Generations in the job."""
-        return self.batch.rows
-
-    @property
-    def remaining(self) -> int:
-        """Prompt columns not yet run."""
-        return self.batch.width - self.done_cols
-
-
-@dataclass
-class UnitResult:
-    """What one unit produced, for delivery and metrics."""
-
-    kind: str  # "prefill", "decode" or "mixed" (a decode step and a prefill chunk in one forward)
-    deltas: list[tuple[Generation, Delta]] = field(default_factory=list)
-    released_lanes: list[int] = field(default_factory=list)  # scheduler batches now done
-    compute_s: float = 0.0
-    rows: int = 0
-    tokens: int = 0  # prefill: real prompt tokens of the chunk; decode, mixed: real cached tokens
-    padded: int = 0  # prefill: chunk tokens incl. padding; decode, mixed: cache columns x rows
-    prefill_tokens: int = 0  # mixed: real prompt tokens of its prefill chunk
-    prefill_rows: int = 0  # mixed: rows of its prefill chunk
-    prefill_padded: int = 0  # mixed: its chunk's tokens incl. padding (rows x columns)
-    jobs: list[PrefillJob] = field(default_factory=list)  # the prefill jobs this unit ran
-    finished: list[PrefillJob] = field(default_factory=list)  # those whose prefill ended here
 
 
 class Decoder:
@@ -452,16 +406,6 @@ class Decoder:
             elif self.running is not None:
                 self.running.select(keep)
         return self.release_held()
-
-
-def fill_from_tail(done: list[bool]) -> list[int]:
-    """The rows to keep, in their new order, when rows `done` leave: a row that stays keeps
-    its place unless that place is past the new end, and then it fills the first free place
-    (rows after the new end move, in order, to the places the ended rows left)."""
-    n = len(done) - sum(done)
-    tail = [i for i in range(n, len(done)) if not done[i]]
-    movers = iter(tail)
-    return [next(movers) if done[i] else i for i in range(n)]
 
 
 def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:

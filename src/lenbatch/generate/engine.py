@@ -6,16 +6,17 @@
 
 Each turn of the loop is one step, named as in vLLM's `EngineCore.step()`:
 
-* `_schedule`: admit the prefill batches the decode policy has room for, through
-  `core.scheduler.schedule` (the embeddings' scheduler: length buckets, max wait, token budget,
-  the same in both decode modes), and pick the next unit: a prefill chunk, a decode step, or
-  (on the lean path) a decode step with the chunks of one or more prefill jobs in one forward;
+* `_schedule` (`generate.schedule_step`): admit the prefill batches the decode policy has room
+  for, through `core.scheduler.schedule` (the embeddings' scheduler: length buckets, max wait,
+  token budget, the same in both decode modes), and pick the next unit: a prefill chunk, a
+  decode step, or (on the lean path) a decode step with the chunks of one or more prefill jobs
+  in one forward;
 * `_execute`: run that unit in the worker thread; a unit that raises is recovered from
   (`generate.failures`: bisect, split, preempt, or fail with an explicit error);
-* `_update`: hand the new tokens to their streams, end finished generations through the ledger,
-  free scheduler slots, record. A unit that ends a prefill hands its tokens over earlier, from
-  the worker (`Decoder.publish`), before the new rows' keys and values are copied into the
-  running batch: no first token waits for that copy.
+* `_update` (`generate.update_step`): hand the new tokens to their streams, end finished
+  generations through the ledger, free scheduler slots, record. A unit that ends a prefill
+  hands its tokens over earlier, from the worker (`Decoder.publish`), before the new rows' keys
+  and values are copied into the running batch: no first token waits for that copy.
 
 Queues and streams are only touched on the event loop; the running batch only in the worker, one
 unit at a time. Every admitted request gets exactly one ending: its finish reason, or an explicit
@@ -28,9 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from lenbatch.config import (
@@ -43,24 +42,21 @@ from lenbatch.config import (
 )
 from lenbatch.core.clock import Clock
 from lenbatch.core.errors import BadInput, InputTooLong, LenbatchError
-from lenbatch.core.lanes import SchedulerConfig, resolve_lanes
+from lenbatch.core.lanes import resolve_lanes
 from lenbatch.core.request import Request
-from lenbatch.core.scheduler import schedule
-from lenbatch.generate.adaptive import (
-    AdaptiveGenPolicy,
-    GenCosts,
-    delivered,
-    door_state,
-    queued_requests,
-)
-from lenbatch.generate.decode import Decoder, UnitResult
+from lenbatch.generate.adaptive import AdaptiveGenPolicy, door_state, queued_requests
+from lenbatch.generate.costs import GenCosts
+from lenbatch.generate.decode import Decoder
 from lenbatch.generate.failures import Recovery, recover
 from lenbatch.generate.generation import Generation, Timings
+from lenbatch.generate.jobs import UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import DecodePolicy, Unit, make_policy
 from lenbatch.generate.prompts import PromptCalls, Prompts
+from lenbatch.generate.schedule_step import ScheduleStep
 from lenbatch.generate.shapes import make_fixed_shapes
 from lenbatch.generate.streams import open_generation, ticket_of
+from lenbatch.generate.update_step import UpdateStep
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
@@ -68,21 +64,14 @@ from lenbatch.serving.messages import Delta, SamplingParams
 from lenbatch.serving.streams import DeltaStreams
 from lenbatch.serving.workers import run_in_worker
 
-__all__ = ["GenerationEngine", "Scheduled"]
+__all__ = ["GenerationEngine"]
 
 log = logging.getLogger("lenbatch.generate")
 
 
-@dataclass(frozen=True, slots=True)
-class Scheduled:
-    """What `_schedule` decided: the unit to run now (None: nothing to run), and when the
-    scheduler wants to be asked again (None: only when woken)."""
-
-    unit: Unit | None
-    wake_at: float | None
-
-
-class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta]):
+class GenerationEngine(
+    ScheduleStep, UpdateStep, PromptCalls, DeltaStreams[Generation], BaseEngine[Delta]
+):
     """Length-bucketed admission and lockstep or continuous decoding in front of a causal LM."""
 
     _join_workers_on_stop = True  # a unit may still be running on the model
@@ -306,17 +295,6 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
             lane=self.queues.lane_of(length),
         )
 
-    def _shed_overdue(self, now: float) -> None:
-        """adaptive: end the queued requests that can no longer make their first token in time
-        (429/503 with Retry-After, through the ledger), so those behind them can."""
-        assert self.adaptive is not None
-        for r in self.adaptive.overdue(queued_requests(self.queues.lanes), now):
-            self.queues.remove(r)
-            late_by = now - (r.arrival + self.adaptive.slo.ttft(r.priority))
-            err = self.adaptive.overloaded(max(late_by, 0.0), 0.0, now - r.arrival)
-            self.metrics.record_shed("queue")
-            self.ledger.shed(ticket_of(r.handle), err)
-
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
@@ -353,78 +331,6 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
                 # stream sees between tokens: it keeps the cost models honest
                 self.adaptive.costs.observe(executed, self.clock.now() - started)
 
-    def _schedule(self, last: str | None) -> Scheduled:
-        """Admit prefill batches if the decode policy has room; pick the next unit.
-
-        Where one forward can carry several jobs' chunks (`Decoder.mixer`, continuous mode),
-        every batch the scheduler has ready is admitted, one at a time while the room lasts:
-        the policy packs them into a unit together. Elsewhere one batch is in flight at a
-        time (jobs would run one after another anyway)."""
-        wake_at = None
-        room = self.policy.capacity(self.decoder)
-        if self.adaptive is not None and self.queues.size > 0:
-            self._shed_overdue(self.clock.now())
-        if room > 0 and self.queues.size > 0:
-            now = self.clock.now()
-            horizon = self._horizon()
-            while True:
-                cfg = self._admission_config(room, horizon)
-                if self._several_jobs:
-                    cfg = dataclasses.replace(cfg, slots=self.queues.inflight_total + 1)
-                decision = schedule(self.queues, now, cfg)
-                for r in decision.expired:
-                    self.ledger.expire(ticket_of(r.handle))
-                for batch in decision.batches:
-                    gens = [r.handle for r in batch.requests]
-                    for g in gens:
-                        g.timings.admitted = now
-                        self.ledger.start(ticket_of(g), now)
-                    self.decoder.add_job(batch.lane, gens, cfg.lanes[batch.lane].pad_to)
-                wake_at = decision.wake_at
-                room = self.policy.capacity(self.decoder)
-                if not (self._several_jobs and decision.batches and room > 0 and self.queues.size):
-                    break
-            self.metrics.set_depths(self.queues.depths(), self.queues.inflight_total)
-        if self.adaptive is not None:  # the stall each running row can take (chunk sizing)
-            self.adaptive.observe_rows(self.clock.now(), delivered(self.decoder.rows))
-        return Scheduled(self.policy.next_unit(self.decoder, last), wake_at)
-
-    @property
-    def _several_jobs(self) -> bool:
-        """True when several admitted batches may wait for prefill at once (see _schedule)."""
-        return (
-            self.mode == "continuous" and self.adaptive is None and self.decoder.mixer is not None
-        )
-
-    def _horizon(self) -> float:
-        """Seconds to the next chance to admit (see `_admission_config`): none for lockstep,
-        unbounded for an idle engine, else the last unit's."""
-        if self.mode != "continuous":
-            return 0.0
-        return math.inf if self.decoder.idle else self._unit_s
-
-    def _admission_config(self, room: int, horizon: float) -> SchedulerConfig:
-        """The scheduler's lanes for this turn: batches of at most `room` rows and, decoding
-        continuously, a max wait cut by the time to the next chance to admit.
-
-        Prompts can only join at a unit boundary. An idle engine admits at once (waiting for
-        batch-mates gains nothing when there is no other work: the next arrivals join the
-        running batch a unit later anyway); a busy one admits now the lanes whose max wait would
-        run out before the next boundary, the next unit timed as the last. Without the cut, a
-        prompt could wait its max wait plus a whole unit (10 ms + a 20-150 ms step) before it
-        is admitted. Lockstep batches keep the plain max wait: nobody joins them later.
-        """
-        cfg = self.cfg
-        if not any(p.max_batch > room or (horizon > 0 and p.max_wait > 0) for p in cfg.lanes):
-            return cfg
-        lanes = tuple(
-            dataclasses.replace(
-                p, max_batch=min(p.max_batch, room), max_wait=max(0.0, p.max_wait - horizon)
-            )
-            for p in cfg.lanes
-        )
-        return dataclasses.replace(cfg, lanes=lanes)
-
     async def _execute(self, unit: Unit) -> UnitResult | Recovery:
         """Run `unit` in the worker thread; if it raises, recover (on the event loop, the
         worker being idle then)."""
@@ -446,80 +352,3 @@ class GenerationEngine(PromptCalls, DeltaStreams[Generation], BaseEngine[Delta])
         if unit.kind == "mixed":
             return self.decoder.mixed(unit.job, unit.cols, unit.more)
         return self.decoder.prefill(unit.job, unit.cols, unit.more)
-
-    def _update(self, executed: UnitResult | Recovery) -> None:
-        """Event loop: deliver what a unit produced, or end what its failure cost."""
-        if isinstance(executed, Recovery):
-            self._recovered(executed)
-        else:
-            self._deliver(executed)
-        self._publish_state()
-
-    def _deliver(self, result: UnitResult) -> None:
-        """Hand new tokens to their streams, end finished generations, free slots, record."""
-        self._deliver_deltas(result.deltas)
-        for lane in result.released_lanes:
-            self.queues.batch_done(lane)
-        prompt = result.prefill_tokens if result.kind == "mixed" else result.tokens
-        self.lm.record_step(
-            result.kind,
-            result.compute_s,
-            result.rows,
-            result.tokens,
-            result.padded,
-            jobs=len(result.jobs),
-            prompt_tokens=prompt,
-        )
-        for job in result.finished:
-            for g in job.gens:
-                ticket_of(g).exec_s = g.timings.prefill_compute or None
-            b = job.batch
-            self.metrics.record_batch(
-                job.lane,
-                job.rows,
-                b.real_tokens,
-                b.padded_tokens,
-                job.gens[0].timings.prefill_compute,
-                [g.timings.admitted - g.timings.queued for g in job.gens],
-            )
-
-    def _deliver_deltas(self, deltas: list[tuple[Generation, Delta]]) -> None:
-        """Hand new tokens to their streams and end finished generations (on the event loop:
-        at the end of a unit, or earlier for what `Decoder.publish` sent from the worker)."""
-        now = self.clock.now()
-        for gen, delta in deltas:
-            ticket = ticket_of(gen)
-            if ticket.finished:
-                continue  # cancelled while the unit ran
-            t = gen.timings
-            gaps = []
-            if not t.token_times:
-                t.first_token = now
-                self.lm.record_first_token(t.ttft, t.stages())
-            else:
-                gaps.append(now - t.token_times[-1])
-            t.token_times.append(now)
-            self.lm.record_tokens(len(delta.token_ids), gaps)
-            if delta.finish_reason is None:
-                gen.sink.put_nowait(delta)
-            else:
-                t.finished = now
-                self.lm.record_finished(t.finished - t.arrival, gen.prompt_tokens)
-                self.ledger.answer(ticket, delta)
-
-    def _recovered(self, recovery: Recovery) -> None:
-        """End the generations a failed unit cost, each with its error; free their slots."""
-        if recovery.out_of_memory:
-            self.lm.record_oom(recovery.kind)
-        for gen, err in recovery.failed:
-            self.ledger.fail(ticket_of(gen), err)
-        for lane in recovery.released_lanes:
-            self.queues.batch_done(lane)
-
-    def _publish_state(self) -> None:
-        d = self.decoder
-        self.lm.set_state(
-            d.kv_bytes(), d.kv_real_bytes(), d.kv_peak_bytes, d.running_rows, d.pending_rows
-        )
-        if d.shapes is not None:
-            self.lm.set_compile(d.shapes.graphs.stats.as_dict())

@@ -25,8 +25,9 @@ import logging
 from dataclasses import dataclass, field
 
 from lenbatch.core.errors import LenbatchError, ModelFailed, OutOfMemory, is_out_of_memory
-from lenbatch.generate.decode import Decoder, PrefillJob
+from lenbatch.generate.decode import Decoder
 from lenbatch.generate.generation import Generation
+from lenbatch.generate.jobs import PrefillJob
 from lenbatch.generate.policy import Unit
 
 __all__ = ["MIN_OOM_CHUNK", "Recovery", "recover"]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from lenbatch.config import DecodeMode, GenerationConfig
-from lenbatch.generate.decode import Decoder, PrefillJob
+from lenbatch.generate.decode import Decoder
+from lenbatch.generate.jobs import PrefillJob
 
 __all__ = [
     "FEW_ROWS",
