@@ -49,7 +49,7 @@ typecheck: $(STAMP)
 
 ## every test: unit, property and integration
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests bench

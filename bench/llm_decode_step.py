@@ -83,7 +83,8 @@ CONFIGS = {
 }
 
 
-def _prompt(runner: CausalLMRunner, cols: int) -> list[int]:
+def prompt_ids(runner: CausalLMRunner, cols: int) -> list[int]:
+    """The first `cols` tokens of the bundled GSM8K text."""
     ref = resources.files("lenbatch") / "data" / "text" / "gsm8k_test.jsonl"
     text = ref.read_text(encoding="utf-8")[: 20 * cols]
     ids = runner.tokenize([text])[0]
@@ -104,6 +105,30 @@ def _batch(runner: CausalLMRunner, ids: list[int], rows: int) -> KVBatch:
         tiled.update(layer.keys.repeat(rows, 1, 1, 1), layer.values.repeat(rows, 1, 1, 1), i)
     last = logits.argmax(-1).repeat(rows)
     return KVBatch(tiled, mask.repeat(rows, 1), torch.full((rows,), len(ids)), last)
+
+
+def build_runner(ref: Any, name: str, env: dict[str, str] | None = None) -> CausalLMRunner:
+    """The runner of configuration `name` (`CONFIGS`) for the resolved model `ref`, with the
+    configuration's environment and `env` set while it is built (each is read once, there)."""
+    cfg = dict(CONFIGS[name])
+    gemv_rows = cfg.pop("gemv_rows", None)
+    env = {**cfg.pop("env", {}), **(env or {})}  # type: ignore[dict-item]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
+        plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=(), gated_rows=0)
+        runner.lean = LeanLlama(
+            runner.model, plan, runner.info.max_length + 1, runner.precision.dtype
+        )
+    return runner
 
 
 def _step(runner: CausalLMRunner, kv: KVBatch) -> float:
@@ -137,29 +162,9 @@ def main() -> int:
     if ref is None:
         raise SystemExit(f"{args.model} is not a causal LM")
     names = args.configs.split(",")
-    runners: dict[str, CausalLMRunner] = {}
-    for name in names:
-        cfg = dict(CONFIGS[name])
-        gemv_rows = cfg.pop("gemv_rows", None)
-        env: dict[str, str] = cfg.pop("env", {})  # type: ignore[assignment]
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read once, as the runner is built
-        try:
-            runner = CausalLMRunner(ref.folder, gguf_file=ref.gguf_file, name=ref.name, **cfg)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        if gemv_rows is not None and runner.lean is not None:  # the measured plan, but this
-            plan = replace(runner.lean.plan, gemv_rows=int(gemv_rows), gemv_shapes=(), gated_rows=0)
-            runner.lean = LeanLlama(
-                runner.model, plan, runner.info.max_length + 1, runner.precision.dtype
-            )
-        runners[name] = runner
+    runners = {name: build_runner(ref, name) for name in names}
     first = next(iter(runners.values()))
-    ids = _prompt(first, args.cols)
+    ids = prompt_ids(first, args.cols)
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.split:
         return _split_table(args, runners, ids, rows_list)
@@ -184,7 +189,7 @@ def main() -> int:
         return r.lean.plan.describe() if r.lean is not None else "transformers forward"
 
     lines = [
-        *_header(),
+        *header(),
         "One decode step, ms: median (10th-90th percentile) of "
         f"{args.steps} steps at {args.cols} cached columns.",
         "",
@@ -194,20 +199,22 @@ def main() -> int:
     for n in names:
         cells = " | ".join(cell(table[(n, r)]) for r in rows_list)
         lines.append(f"| {n} | {plan(runners[n])} | {cells} |")
-    return _write(lines, args.out)
+    return write(lines, args.out)
 
 
-def _header() -> list[str]:
+def header(script: str = "bench/llm_decode_step.py") -> list[str]:
+    """The table's head: the processor key, torch and Python, and the command line."""
     return [
         f"Processor: `{processor_key()}`; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, Python {platform.python_version()}.",
         "",
-        f"Command: `{' '.join(['bench/llm_decode_step.py', *sys.argv[1:]])}`",
+        f"Command: `{' '.join([script, *sys.argv[1:]])}`",
         "",
     ]
 
 
-def _write(lines: list[str], out: Path | None) -> int:
+def write(lines: list[str], out: Path | None) -> int:
+    """Print the table, and write it to `out` where given."""
     text = "\n".join(lines) + "\n"
     print(text)
     if out:
@@ -293,7 +300,7 @@ def _mixed_table(
     """Decode step, prompt chunk, and both in one forward, per config, rows and chunk."""
     chunks = _chunks(args, ids)
     lines = [
-        *_header(),
+        *header(),
         f"Milliseconds, medians of {args.steps} of each, interleaved; the running batch's rows",
         f"each hold {args.cols} cached columns.",
         "",
@@ -327,7 +334,7 @@ def _mixed_table(
                     f"{med['mixed'] / apart:.2f} |"
                 )
             del kv
-    return _write(lines, args.out)
+    return write(lines, args.out)
 
 
 class _Timed:
@@ -376,7 +383,7 @@ def _split_table(
     chunks: list[Chunk | None] = [*_chunks(args, ids)] if args.mixed else [None]
     what = "forward (decode step and prompt chunk)" if args.mixed else "decode step"
     lines = [
-        *_header(),
+        *header(),
         f"Milliseconds per {what} (mean of {args.steps}), {args.cols} cached columns; "
         "`step` is the median whole forward.",
         "",
@@ -419,7 +426,7 @@ def _split_table(
         for layer, originals in zip(lean.layers, saved, strict=True):
             for part, fn in originals.items():
                 setattr(layer, part, fn)
-    return _write(lines, args.out)
+    return write(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
 from lenbatch.runners.hardware import processor_key
-from llm_decode_step import _batch, _prompt, _step
+from llm_decode_step import _batch, _step, prompt_ids
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     print(f"{processor_key()}\n{one.describe()}", flush=True)
     ops = copy.copy(one)
     ops.one_call, ops._packed = None, {}
-    ids = _prompt(r, 310)
+    ids = prompt_ids(r, 310)
     for rows in (1, 2, 4):
         kv = {}
         for name, lean in (("one", one), ("ops", ops)):

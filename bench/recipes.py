@@ -676,6 +676,13 @@ script_recipe(
     "--mixed", "1x64,1x135,2x135", "--out", "bench/results/llm_mixed_step.md",
 )  # fmt: skip
 script_recipe(
+    "llm-padded-prefill", "llm_padded_prefill.py",
+    "A left-padded prefill job's forward, its padding left out of the products against run "
+    "through them, lean float32 int4 (zen3-model1/padded-prefill.md).",
+    "--config", "lean-fp32-int4", "--jobs", "127,101,88,72", "255,190", "400,330", "120,40",
+    "--repeats", "9", "--out", "bench/results/zen3-model1/padded-prefill.md",
+)  # fmt: skip
+script_recipe(
     "omp-pools", "omp_pools.py",
     "Small parallel ops on the thread that started OpenMP's first pool vs a second thread "
     "(omp_pools.md).",

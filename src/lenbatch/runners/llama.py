@@ -23,7 +23,7 @@ runs the same computation with less per-step overhead:
   (and each prompt of a left-padded job's first chunk) through the AVX2 build's
   `packed_attention` (a CPU without AVX-512); elsewhere torch's
   `F.scaled_dot_product_attention` with grouped-query heads, reading the window in place
-  (`generate.kvcache.WindowLayer` returns views). All of it per segment, in
+  (`generate.windowcache.WindowLayer` returns views). All of it per segment, in
   `runners.llama_attention`;
 * a job's left padding left out of the forward's products: the products, norms and MLP run
   over the real tokens only (`llama_attention.SegmentPlan.keep`); the cache keeps its padded
