@@ -93,7 +93,7 @@ def prompt_ids(runner: CausalLMRunner, cols: int) -> list[int]:
     return ids[:cols]
 
 
-def _batch(runner: CausalLMRunner, ids: list[int], rows: int) -> KVBatch:
+def running_batch(runner: CausalLMRunner, ids: list[int], rows: int) -> KVBatch:
     """A running batch of `rows` copies of the prefilled prompt `ids`."""
     x = torch.tensor([ids])
     mask = torch.ones_like(x)
@@ -172,7 +172,7 @@ def main() -> int:
         return _mixed_table(args, runners, ids, rows_list)
     table: dict[tuple[str, int], list[float]] = {}
     for rows in rows_list:
-        batches = {n: _batch(r, ids, rows) for n, r in runners.items()}
+        batches = {n: running_batch(r, ids, rows) for n, r in runners.items()}
         for n in names:  # warm-up
             for _ in range(3):
                 _step(runners[n], batches[n])
@@ -312,7 +312,7 @@ def _mixed_table(
         if not runner.mixes:
             raise SystemExit(f"{name}: not on the lean path, no forward over several caches")
         for rows in rows_list:
-            kv = _batch(runner, ids, rows)
+            kv = running_batch(runner, ids, rows)
             for chunk in chunks:
                 times: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": []}
                 for i in range(args.steps + 3):
@@ -404,7 +404,7 @@ def _split_table(
         lines += [f"{name} ({lean.plan.describe()}):", ""]
         table: dict[str, tuple[float, dict[str, float]]] = {}
         for rows in rows_list:
-            kv = _batch(runner, ids, rows)
+            kv = running_batch(runner, ids, rows)
             for chunk in chunks:
                 for _ in range(3):
                     _one(runner, kv, ids, chunk)

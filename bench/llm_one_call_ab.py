@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from lenbatch.runners.causal import CausalLMRunner, resolve_causal_model
 from lenbatch.runners.hardware import processor_key
-from llm_decode_step import _batch, _step, prompt_ids
+from llm_decode_step import _step, prompt_ids, running_batch
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
         kv = {}
         for name, lean in (("one", one), ("ops", ops)):
             r.lean = lean
-            kv[name] = _batch(r, ids, rows)
+            kv[name] = running_batch(r, ids, rows)
         ts: dict[str, list[float]] = {"one": [], "ops": []}
         for i in range(33):
             for name, lean in (("one", one), ("ops", ops)):
