@@ -168,3 +168,27 @@ def test_keeping_the_padding_runs_the_padded_layout(
     assert rows == [120]  # rounded_tokens(120) is 120
     want = skip.forward(ids, mask, pos, skip.new_cache())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_prices_a_chunk_as_the_runner_runs_it(
+    llama32: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adaptive's prefill model learns a chunk by its real tokens on the lean path, where the
+    padding runs through no product, and by its padded shape where it does: transformers'
+    forward, `LENBATCH_PREFILL_PADDING=keep`, and fixed shapes (whole padded prompts)."""
+    from lenbatch.config import BatchingConfig
+    from lenbatch.generate.engine import GenerationEngine
+
+    def basis(runner: CausalLMRunner, **kw: Any) -> bool:
+        engine = GenerationEngine(runner, BatchingConfig(strategy="adaptive"), **kw)
+        assert engine.adaptive is not None
+        return engine.adaptive.costs.real_tokens
+
+    lean = CausalLMRunner(llama32, pack=False)
+    assert lean.prefill_skips_padding and basis(lean)
+    assert not basis(lean, fixed_shapes=True)
+    hf = CausalLMRunner(llama32, lean=False)
+    assert not hf.prefill_skips_padding and not basis(hf)
+    monkeypatch.setenv("LENBATCH_PREFILL_PADDING", "keep")
+    keep = CausalLMRunner(llama32, pack=False)
+    assert not keep.prefill_skips_padding and not basis(keep)

@@ -172,6 +172,55 @@ def test_a_mixed_unit_teaches_the_prefill_model_what_the_chunk_added() -> None:
     assert p.costs.decode.seconds(16, 100) == pytest.approx(decode_before)
 
 
+@dataclass
+class _Unit:
+    """A unit's figures (`generate.jobs.UnitResult`'s fields the cost models read)."""
+
+    kind: str
+    rows: int
+    padded: int
+    compute_s: float
+    tokens: int = 0
+    prefill_rows: int = 0
+    prefill_padded: int = 0
+    prefill_tokens: int = 0
+
+
+@pytest.mark.parametrize("kind", ["prefill", "mixed"])
+def test_a_chunk_is_priced_by_its_real_tokens_where_padding_runs_through_no_product(
+    kind: str,
+) -> None:
+    """Chunks of 4 prompts, 40 % of each chunk padding, that took 10 ms + 1 ms per real token
+    (beside a decode step, for a mixed unit): with `real_tokens` the prefill model learns 1 ms
+    per token, so a lone 100-token prompt is priced ~110 ms; by padded shape the same units
+    teach ~0.6 ms per padded token, and the lone prompt would be priced ~70 ms, too low by a
+    third. /stats says which basis is in use."""
+    predicted = {}
+    for real_tokens in (True, False):
+        costs = GenCosts("m", real_tokens=real_tokens, prefill_prior=PREFILL, decode_prior=DECODE)
+        for cols in (50, 100, 150, 200) * 40:
+            padded, real = 4 * cols, round(0.6 * 4 * cols)
+            took = 0.01 + 1e-3 * real
+            if kind == "prefill":
+                costs.observe(_Unit("prefill", 4, padded, took, tokens=real))
+            else:
+                step = DECODE.seconds(8, 100)
+                costs.observe(_Unit("mixed", 8, 800, step + took, 700, 4, padded, real))
+        predicted[real_tokens] = costs.prefill.seconds(1, 100)
+        basis = costs.describe()["prefill_priced_by"]
+        assert basis == ("real tokens" if real_tokens else "padded shape")
+    assert predicted[True] == pytest.approx(0.11, rel=0.05)
+    assert predicted[False] < 0.75 * predicted[True]
+
+
+def test_a_chunk_of_padding_alone_teaches_nothing() -> None:
+    """A prefill chunk whose columns are all padding (a short prompt's first chunk beside a
+    long one) ran no product: with `real_tokens` it leaves the prefill model as it was."""
+    costs = GenCosts("m", real_tokens=True, prefill_prior=PREFILL, decode_prior=DECODE)
+    costs.observe(_Unit("prefill", 2, 64, 0.5, tokens=0))
+    assert costs.prefill.observed == 0
+
+
 def test_admits_what_makes_its_first_token_and_refuses_what_cannot_with_retry_after() -> None:
     """An idle server admits a 200-token prompt (~0.2 s); behind 2,000 queued prompt tokens
     (> 2 s of prefill) the same prompt gets a 429 whose Retry-After covers the excess."""

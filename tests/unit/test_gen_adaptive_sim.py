@@ -83,6 +83,32 @@ def test_every_request_ends_once_and_streams_make_sense() -> None:
             assert o.ttft >= 0 and o.mean_itl >= 0
 
 
+def test_a_chunk_costs_its_real_prompt_tokens_unless_told_padded() -> None:
+    """Prompts of 10 and 300 tokens in one job (left-padded to 300): their one chunk costs
+    `prefill.seconds(1, 310)` by real tokens (the lean path), `prefill.seconds(2, 300)` by
+    padded shape (transformers' forward); both get their first token when it ends."""
+    reqs = [GenRequest(0.0, 10, 2), GenRequest(0.0, 300, 2)]
+    for real, took in ((True, PREFILL.seconds(1, 310)), (False, PREFILL.seconds(2, 300))):
+        outs = simulate_generation(
+            reqs, ContinuousPolicy(32, 4096), PREFILL, DECODE, real_tokens=real
+        )
+        assert [o.ttft for o in outs] == pytest.approx([took, took])
+
+
+def test_adaptive_learns_on_the_basis_the_simulator_prices() -> None:
+    """The simulator sets adaptive's cost models to its own pricing basis, as the engine sets
+    them from its runner: after a run by real tokens its prefill model holds ~0.4 ms per real
+    token (the truth), not per padded one."""
+    reqs = _requests(8.0, 5)
+    for real in (True, False):
+        policy = _adaptive()
+        simulate_generation(reqs, policy, PREFILL, DECODE, real_tokens=real)
+        assert policy.costs.real_tokens is real
+        assert policy.costs.prefill.seconds(1, 300) == pytest.approx(
+            PREFILL.seconds(1, 300), rel=0.05
+        )
+
+
 def test_simulate_generation_cli_prints_each_cap_and_adaptive(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -60,6 +60,10 @@ def register(sub: Any) -> None:
                    help="prefill chunk: A,B = seconds per call, per row x column")  # fmt: skip
     p.add_argument("--decode-cost", type=_pair, default=DECODE_DEFAULT,
                    help="decode step: A,B = seconds per call, per row x cache column")  # fmt: skip
+    p.add_argument("--padded-prefill", action="store_true",
+                   help="price a prefill chunk by rows x padded columns, as transformers' "
+                   "forward runs it (default: by its real prompt tokens, as the lean Llama "
+                   "path runs it)")  # fmt: skip
     p.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT objective")
     p.add_argument("--itl-slo-ms", type=float, default=150.0, help="mean inter-token objective")
     p.set_defaults(run=run)
@@ -87,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
     span = max(r.arrival for r in reqs) or 1.0
     caps = [int(c) for c in args.caps.split(",")]
     pre, dec = args.prefill_cost, args.decode_cost
+    real = not args.padded_prefill
     # capacity: continuous at its largest cap with every request arriving within one second
     flood = scaled(reqs, span)
-    outs = simulate_generation(flood, ContinuousPolicy(max(caps), args.step_tokens), pre, dec)
+    outs = simulate_generation(
+        flood, ContinuousPolicy(max(caps), args.step_tokens), pre, dec, real_tokens=real
+    )
     done = [o.finished for o in outs if not math.isnan(o.finished)]
     capacity = len(done) / max(done)
     offered = len(reqs) / span
@@ -103,14 +110,14 @@ def run(args: argparse.Namespace) -> int:
         at = scaled(reqs, load * capacity / offered)
         width = max(r.arrival for r in at) or 1.0
         cells = [
-            goodput(simulate_generation(at, ContinuousPolicy(c, args.step_tokens), pre, dec),
-                    width, ttft, itl)
+            goodput(simulate_generation(at, ContinuousPolicy(c, args.step_tokens), pre, dec,
+                                        real_tokens=real), width, ttft, itl)
             for c in caps
         ]  # fmt: skip
         gen = GenerationConfig(max_running=args.max_running, step_tokens=args.step_tokens)
         policy = AdaptiveGenPolicy(gen, cfg, GenCosts("simulated", prefill_prior=pre,
                                                       decode_prior=dec))  # fmt: skip
-        outs = simulate_generation(at, policy, pre, dec)
+        outs = simulate_generation(at, policy, pre, dec, real_tokens=real)
         ours = goodput(outs, width, ttft, itl)
         refused = 100 * sum(o.refused for o in outs) / len(outs)
         row = " | ".join(f"{g:.2f}" for g in cells)

@@ -5,9 +5,12 @@ decode step, learned online from the engine's own units.
 `WorkKind` terms: `PREFILL_CHUNK` for `seconds(rows, chunk columns)`, `DECODE_STEP` for
 `seconds(rows, cache width)`), each seeded by a generic prior until the fit takes over, and
 `drift`, the recent ratio of the loop's measured turn time to the models' prediction, by which
-every prediction is multiplied. `generate.adaptive.AdaptiveGenPolicy` reads them to size the
-running batch and the prefill chunks and to price admission; the engine feeds them every unit
-it runs. Pure: no clock, no torch.
+every prediction is multiplied. A prefill chunk is priced by its real prompt tokens where the
+runner leaves a chunk's left padding out of its products (`real_tokens`: the lean Llama path),
+else by its padded shape (rows x chunk columns, as transformers' forward runs it).
+`generate.adaptive.AdaptiveGenPolicy` reads them to size the running batch and the prefill
+chunks and to price admission; the engine feeds them every unit it runs. Pure: no clock, no
+torch.
 """
 
 from __future__ import annotations
@@ -47,13 +50,21 @@ class _Result(Protocol):
     @property
     def prefill_padded(self) -> int: ...
 
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def prefill_tokens(self) -> int: ...
+
 
 class GenCosts:
     """The two cost models of a causal LM, learned online from the engine's own units.
 
     `prefill`: `seconds(rows, chunk columns)` of one prefill chunk (`WorkKind.PREFILL_CHUNK`);
     `decode`: `seconds(rows, cache width)` of one decode step (`WorkKind.DECODE_STEP`).
-    `drift` is the recent measured/predicted ratio of whole loop turns.
+    `drift` is the recent measured/predicted ratio of whole loop turns. With `real_tokens`, a
+    chunk is learnt as `rows x (its real tokens / rows)`: what the runner's products ran, where
+    its left padding runs through none of them (`CausalLMRunner.prefill_skips_padding`).
     """
 
     def __init__(
@@ -61,6 +72,7 @@ class GenCosts:
         model: str,
         window: int = 256,
         *,
+        real_tokens: bool = False,
         prefill_prior: CostCoefficients = PREFILL_PRIOR,
         decode_prior: CostCoefficients = DECODE_PRIOR,
     ) -> None:
@@ -70,6 +82,7 @@ class GenCosts:
         self.book = CostBook()
         self.book.put(model, WorkKind.PREFILL_CHUNK, self.prefill)
         self.book.put(model, WorkKind.DECODE_STEP, self.decode)
+        self.real_tokens = real_tokens
         self.drift = 1.0
         self.width = 128.0  # moving average of the decode batch's cache width
 
@@ -98,15 +111,22 @@ class GenCosts:
             step = self.decode.seconds(result.rows, width)
             predicted = step
             prows = result.prefill_rows
-            if prows >= 1 and result.prefill_padded >= 1:
-                pcols = result.prefill_padded / prows
+            ptokens = result.prefill_tokens if self.real_tokens else result.prefill_padded
+            if prows >= 1 and ptokens >= 1:
+                pcols = ptokens / prows
                 predicted += self.prefill.seconds(prows, pcols)
                 added = max(result.compute_s - step, 0.0)
                 self.prefill.observe(prows, max(1, round(pcols)), added)
+        elif result.kind == "prefill":
+            tokens = result.tokens if self.real_tokens else result.padded
+            if tokens < 1:  # a chunk of padding alone: no product ran, nothing to learn
+                return
+            cols = tokens / result.rows
+            predicted = self.prefill.seconds(result.rows, cols)
+            self.prefill.observe(result.rows, max(1, round(cols)), result.compute_s)
         else:
-            model = self.prefill if result.kind == "prefill" else self.decode
-            predicted = model.seconds(result.rows, width)
-            model.observe(result.rows, max(1, round(width)), result.compute_s)
+            predicted = self.decode.seconds(result.rows, width)
+            self.decode.observe(result.rows, max(1, round(width)), result.compute_s)
         if result.kind != "prefill":
             self.width += 0.1 * (width - self.width)
         if turn_s is not None and turn_s > 0 and predicted > 0:
@@ -119,6 +139,7 @@ class GenCosts:
         return {
             "prefill_chunk": self.prefill.describe(),
             "decode_step": self.decode.describe(),
+            "prefill_priced_by": "real tokens" if self.real_tokens else "padded shape",
             "drift": round(self.drift, 3),
             "decode_width": round(self.width, 1),
         }

@@ -122,7 +122,11 @@ class GenerationEngine(
         self.policy: DecodePolicy = make_policy(self.generation, self.batching.max_batch)
         if is_adaptive:
             acfg = adaptive or AdaptiveConfig()
-            costs = GenCosts(self.info.name, acfg.cost_window)
+            # Priced by real prompt tokens where padding runs through no product; fixed
+            # shapes run whole padded prompts, as transformers' forward does.
+            real = bool(getattr(runner, "prefill_skips_padding", False))
+            fixed = self.generation.compile or bool(fixed_shapes)
+            costs = GenCosts(self.info.name, acfg.cost_window, real_tokens=real and not fixed)
             self.adaptive = AdaptiveGenPolicy(self.generation, acfg, costs)
             self.policy = self.adaptive
         self.prompts = Prompts(runner, self.info, self.generation)

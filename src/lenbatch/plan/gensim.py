@@ -11,8 +11,11 @@ single scheduler slot), formed from the queue's head when the policy has room (a
 alternation; adaptive's door refusal (with the same inputs the engine passes) and its queue
 shedding before each admission; a decode step costs `decode.seconds(rows, width)` with `width`
 the longest row's prompt plus its tokens so far (the right-aligned cache); a chunk costs
-`prefill.seconds(rows, cols)`. Arrivals during a unit are seen when it ends, as the engine's
-event loop sees them.
+`prefill.seconds(rows, real tokens / rows)`, its real prompt tokens, as the lean Llama path
+runs it (left padding through no product; `real_tokens=False`: `prefill.seconds(rows, cols)`,
+the padded shape transformers' forward runs), and adaptive's cost models learn it on the same
+basis, as the engine sets them from its runner. Arrivals during a unit are seen when it ends,
+as the engine's event loop sees them.
 
 What it does not: length buckets (the queue is one FIFO), end-of-sequence before `max_tokens`
 (every request generates its trace's output length, as `ignore_eos` replays do), client
@@ -113,10 +116,14 @@ def simulate_generation(
     decode: CostCoefficients,
     *,
     max_batch: int = 32,
+    real_tokens: bool = True,
 ) -> list[GenOutcome]:
-    """Run `requests` (sorted by arrival) through `policy`; one outcome per request."""
+    """Run `requests` (sorted by arrival) through `policy`; one outcome per request.
+    `real_tokens`: price a prefill chunk by its real prompt tokens (else its padded shape)."""
     out = [GenOutcome() for _ in requests]
     adaptive = policy if isinstance(policy, AdaptiveGenPolicy) else None
+    if adaptive is not None:
+        adaptive.costs.real_tokens = real_tokens
     queue: deque[int] = deque()
     waiting: dict[int, Request[Any]] = {}
     core = _Core()
@@ -155,9 +162,15 @@ def simulate_generation(
         if unit.kind == "prefill":
             job = core.jobs[0]
             cols = min(unit.cols, job.remaining)
-            took = prefill.seconds(job.rows, cols)
+            lo, hi = job.done_cols, job.done_cols + cols
+            # prompts are left-padded to the job's width: prompt p fills [width - p, width)
+            real = sum(max(0, hi - max(lo, job.width - requests[i].prompt)) for i in job.gens)
+            if real_tokens:
+                took = prefill.seconds(job.rows, real / job.rows) if real else prefill.a
+            else:
+                took = prefill.seconds(job.rows, cols)
             now += took
-            _learn(adaptive, "prefill", job.rows, job.rows * cols, took)
+            _learn(adaptive, "prefill", job.rows, job.rows * cols, took, real)
             job.done_cols += cols
             if job.remaining <= 0:
                 core.jobs.popleft()
@@ -172,7 +185,7 @@ def simulate_generation(
             width = max(r.length for r in core.rows)
             took = decode.seconds(len(core.rows), width)
             now += took
-            _learn(adaptive, "decode", len(core.rows), len(core.rows) * width, took)
+            _learn(adaptive, "decode", len(core.rows), len(core.rows) * width, took, 0)
             keep = []
             for row in core.rows:
                 row.left -= 1
@@ -217,14 +230,18 @@ class _Figures:
     rows: int
     padded: int
     compute_s: float
+    tokens: int  # prefill: the chunk's real prompt tokens
     prefill_rows: int = 0  # the simulator runs no mixed units
     prefill_padded: int = 0
+    prefill_tokens: int = 0
 
 
-def _learn(policy: AdaptiveGenPolicy | None, kind: str, rows: int, padded: int, s: float) -> None:
-    """Feed adaptive's cost models what the engine would: the unit's shape and time."""
+def _learn(
+    policy: AdaptiveGenPolicy | None, kind: str, rows: int, padded: int, s: float, real: int
+) -> None:
+    """Feed adaptive's cost models what the engine would: the unit's shape, tokens and time."""
     if policy is not None:
-        policy.costs.observe(_Figures(kind, rows, padded, s), s)
+        policy.costs.observe(_Figures(kind, rows, padded, s, real), s)
 
 
 def _finish(o: GenOutcome, row: _Row, now: float) -> None:

@@ -335,6 +335,13 @@ class CausalLMRunner:
         return self.lean is not None and self.lean.kernel is not None
 
     @property
+    def prefill_skips_padding(self) -> bool:
+        """True when a prefill chunk's left padding runs through none of the matrix products
+        (the lean path, unless `LENBATCH_PREFILL_PADDING=keep`): a chunk costs what its real
+        tokens cost, and `generate.costs.GenCosts` prices it so."""
+        return self.lean is not None and self.lean.attention.skip_padding
+
+    @property
     def mixes(self) -> bool:
         """True when one forward pass can carry several segments (`forward_segments`): the
         lean Llama path; transformers' forward takes one cache per call."""
