@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from lenbatch.config import Settings
 from lenbatch.runners import EmbeddingRunner
@@ -248,7 +249,7 @@ def _greedy_text(runner: Any, ids: list[int], n: int) -> tuple[list[int], str]:
 def test_openai_completions_on_ray_equal_generate(llm_app: str, llama_runner: Any) -> None:
     """Greedy completions through the Ray app equal `transformers.generate` of each prompt
     alone: one prompt per call, and several prompts of different lengths in one call (split
-    across the replicas, choices back in order)."""
+    across the replicas, choices back in order); the tokens' log-probabilities cross too."""
     client = _llm_client(llm_app)
     model = client.models.list().data[0].id
     for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[4]):
@@ -263,6 +264,26 @@ def test_openai_completions_on_ray_equal_generate(llm_app: str, llama_runner: An
     got = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
     want = [_greedy_text(llama_runner, llama_runner.tokenize([p])[0], 8)[1] for p in several]
     assert got == want
+    # Log-probabilities cross from the replica: each greedy token's equals the log-softmax of
+    # transformers' logits at its position (the sequence alone, teacher-forced).
+    ids = llama_runner.tokenize([PROMPTS[0]])[0]
+    tokens, _ = _greedy_text(llama_runner, ids, 6)
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens == [f"token_id:{t}" for t in tokens]
+    seq = torch.tensor([ids + tokens])
+    with torch.no_grad():
+        logits = llama_runner.model(seq, attention_mask=torch.ones_like(seq)).logits[0]
+    ref = torch.log_softmax(logits[len(ids) - 1 : -1].float(), dim=-1)
+    want_lp = [float(ref[i, t]) for i, t in enumerate(tokens)]
+    assert lp.token_logprobs == pytest.approx(want_lp, abs=2e-4)
     # The single server's validation and error shape, before anything reaches a replica.
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)

@@ -28,6 +28,8 @@ from lenbatch.generate.protocol import (
     ChatRequest,
     CommonOptions,
     CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
     envelope,
     obj_line,
     usage,
@@ -35,7 +37,7 @@ from lenbatch.generate.protocol import (
 from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, unless_disconnected
 from lenbatch.serving.http_errors import error_response
-from lenbatch.serving.messages import Delta
+from lenbatch.serving.messages import Delta, TokenLogprob
 from lenbatch.serving.routes import add_task_refusals
 from lenbatch.serving.server import received_at
 from lenbatch.serving.services import GenerationHandle, GenerationService
@@ -193,21 +195,25 @@ async def _respond(
             for s in seqs:
                 engine.cancel(s)
             return Response(status_code=499)
-        events = _sse(seqs, first, merged, rid, created, served, chat, include_usage)
+        events = _sse(seqs, first, merged, rid, created, served, chat, include_usage,
+                      body.return_tokens_as_token_ids)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     done = await unless_disconnected(request, _collect(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
         for s in seqs:
             engine.cancel(s)
         return Response(status_code=499)
-    texts, reasons = done
+    texts, reasons, logprobs = done
+    asked, as_ids = body.logprob_count() is not None, body.return_tokens_as_token_ids
     choices: list[dict[str, Any]] = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
         if chat:
             msg = {"role": "assistant", "content": text}
-            choices.append({"index": i, "message": msg, "finish_reason": reason})
+            lp = chat_logprobs(logprobs[i], as_ids=as_ids) if asked else None
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+            lp = completion_logprobs(logprobs[i], as_ids=as_ids) if asked else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
     payload = envelope(rid, created, served, choices, chat=chat, chunk=False)
     payload["usage"] = usage(seqs)
     payload["lenbatch"] = {"timings": [s.timings_ms() for s in seqs]}
@@ -216,14 +222,18 @@ async def _respond(
 
 async def _collect(
     engine: GenerationService[Any], seqs: list[GenerationHandle]
-) -> tuple[list[str], list[str | None]]:
+) -> tuple[list[str], list[str | None], list[list[TokenLogprob]]]:
+    """Each choice's whole text, finish reason and token log-probabilities (where asked)."""
     texts = [""] * len(seqs)
     reasons: list[str | None] = [None] * len(seqs)
+    logprobs: list[list[TokenLogprob]] = [[] for _ in seqs]
     async for i, d in _merged(engine, seqs):
         texts[i] += d.text
+        if d.logprobs:
+            logprobs[i].extend(d.logprobs)
         if d.finish_reason is not None:
             reasons[i] = d.finish_reason
-    return texts, reasons
+    return texts, reasons, logprobs
 
 
 async def _first(
@@ -245,6 +255,7 @@ async def _sse(
     served: str,
     chat: bool,
     include_usage: bool,
+    as_ids: bool = False,
 ) -> AsyncIterator[str]:
     """The response as server-sent events: the `first` delta, then the `rest`, `data: [DONE]`
     last. Errors after the first token arrive as an `error` event (the status line was
@@ -264,11 +275,18 @@ async def _sse(
             for i in range(len(seqs)):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield obj_line(chunk([dict(role, finish_reason=None)]))
+        offsets = [0] * len(seqs)  # characters of each choice's token texts so far
         async for i, d in deltas():
             if chat:
                 choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
+                if d.logprobs is not None:
+                    choice["logprobs"] = chat_logprobs(d.logprobs, as_ids=as_ids)
             else:
-                choice = {"index": i, "text": d.text, "logprobs": None}
+                lp = None
+                if d.logprobs is not None:
+                    lp = completion_logprobs(d.logprobs, offsets[i], as_ids=as_ids)
+                    offsets[i] += sum(len(e.token) for e in d.logprobs)
+                choice = {"index": i, "text": d.text, "logprobs": lp}
             choice["finish_reason"] = d.finish_reason
             obj = chunk([choice])
             if d.finish_reason is not None:

@@ -26,7 +26,7 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
-from lenbatch.generate.sampling import choose_tokens, mask_eos
+from lenbatch.generate.sampling import choose_tokens, mask_eos, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
 from lenbatch.serving.messages import Delta
@@ -409,7 +409,17 @@ class Decoder:
 
 
 def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:
-    """Next token of each row; rows below their `min_tokens` cannot end yet."""
+    """Next token of each row; rows below their `min_tokens` cannot end yet. A row whose
+    request asked for log-probabilities gets them in `Generation.step_logprob`, read from its
+    raw logits (a copy taken before the end-of-sequence mask)."""
+    asked = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
+    raw = logits[asked] if asked else None  # indexing by a list copies the rows
     young = [i for i, g in enumerate(gens) if len(g.generated) < g.params.min_tokens]
     mask_eos(logits, young, eos)
-    return choose_tokens(logits, [g.params for g in gens], [g.generator for g in gens])
+    tokens = choose_tokens(logits, [g.params for g in gens], [g.generator for g in gens])
+    if raw is not None:
+        tops = [gens[i].params.logprobs or 0 for i in asked]
+        found = step_logprobs(raw, [tokens[i] for i in asked], tops)
+        for i, step in zip(asked, found, strict=True):
+            gens[i].step_logprob = step
+    return tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from lenbatch.core.request import Request
 from lenbatch.generate.sampling import TextTracker, make_generator
 from lenbatch.serving.ledger import Ticket
-from lenbatch.serving.messages import Delta, SamplingParams
+from lenbatch.serving.messages import Delta, SamplingParams, TokenLogprob
 
 __all__ = ["STAGES", "Generation", "Timings"]
 
@@ -108,8 +109,10 @@ class Generation:
         "params",
         "request",
         "sink",
+        "step_logprob",
         "ticket",
         "timings",
+        "token_texts",
         "tracker",
     )
 
@@ -120,6 +123,7 @@ class Generation:
         tracker: TextTracker,
         timings: Timings,
         device: torch.device,
+        token_texts: Callable[[list[int]], list[str]] | None = None,
     ) -> None:
         self.request = request
         self.params = params
@@ -131,6 +135,10 @@ class Generation:
         self.cancelled = False
         self.sink: Any = None  # the engine's per-request event queue
         self.ticket: Ticket[Delta] | None = None  # the engine's ledger entry, once admitted
+        # With `params.logprobs`: each token's text (special tokens included), and the last
+        # chosen token's (log-probability, top (id, log-probability)s) from `choose_next`.
+        self.token_texts = token_texts
+        self.step_logprob: tuple[float, list[tuple[int, float]]] | None = None
 
     @property
     def request_id(self) -> str:
@@ -168,4 +176,14 @@ class Generation:
             self.finish_reason = "length"
         if self.finish_reason is not None:
             text += self.tracker.flush()
-        return Delta((token,), text, self.finish_reason)
+        return Delta((token,), text, self.finish_reason, self._logprobs(token))
+
+    def _logprobs(self, token: int) -> tuple[TokenLogprob, ...] | None:
+        """The chosen `token`'s log-probability record, where the request asked for one."""
+        step, self.step_logprob = self.step_logprob, None
+        if step is None or self.token_texts is None:
+            return None
+        own, top = step
+        texts = self.token_texts([token, *(i for i, _ in top)])
+        alternatives = tuple((i, text, lp) for (i, lp), text in zip(top, texts[1:], strict=True))
+        return (TokenLogprob(token, texts[0], own, alternatives),)

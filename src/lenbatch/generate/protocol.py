@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from lenbatch.core.errors import BadInput
-from lenbatch.serving.messages import SamplingParams
+from lenbatch.serving.messages import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from lenbatch.serving.services import GenerationHandle
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "CommonOptions",
     "CompletionRequest",
     "StreamOptions",
+    "chat_logprobs",
+    "completion_logprobs",
     "envelope",
     "obj_line",
     "usage",
@@ -66,8 +68,12 @@ class CommonOptions(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="Name the tokens of `logprobs` `token_id:N` instead of their text "
+        "(as vLLM does).",
+    )
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -91,8 +97,11 @@ class CommonOptions(BaseModel):
             return "presence_penalty and frequency_penalty are not supported"
         if self.logit_bias:
             return "logit_bias is not supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs are not supported"
+        return None
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per generated token's log-probability; None: no
+        log-probabilities (each endpoint's own fields say)."""
         return None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
@@ -109,6 +118,7 @@ class CommonOptions(BaseModel):
                 stop=tuple(stop),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                logprobs=self.logprob_count(),
             )
         except ValueError as exc:
             raise BadInput(str(exc)) from None
@@ -121,6 +131,17 @@ class CompletionRequest(CommonOptions):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each generated token's log-probability with this many most "
+        "likely alternatives (0: the token's own only).",
+    )
+
+    def logprob_count(self) -> int | None:
+        """`logprobs` as given."""
+        return self.logprobs
 
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""
@@ -158,6 +179,23 @@ class ChatRequest(CommonOptions):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="Return each output token's log-probability.")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="With `logprobs`: this many most likely alternatives per output token.",
+    )
+
+    def unsupported(self) -> str | None:
+        """The first option set to something this server cannot honour, named."""
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
+        return super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        """`top_logprobs` (0 when left out) where `logprobs` is true, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def usage(seqs: Sequence[GenerationHandle]) -> dict[str, int]:
@@ -185,3 +223,54 @@ def envelope(
 def obj_line(obj: dict[str, Any]) -> str:
     """One server-sent event carrying `obj` as JSON."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    """A token as a log-probability object names it: its text, or `token_id:N` (vLLM's
+    `return_tokens_as_token_ids`)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], offset: int = 0, *, as_ids: bool = False
+) -> dict[str, Any]:
+    """OpenAI's legacy completion `logprobs` object for `entries`, the first starting at
+    character `offset` of the completion's text: `tokens`, `token_logprobs`, `top_logprobs`
+    (per token, the most likely alternatives and the chosen token itself, as OpenAI and vLLM
+    give them: up to `logprobs` + 1 entries) and `text_offset` (by the tokens' texts).
+    `as_ids`: tokens named `token_id:N`."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    tops = []
+    for e in entries:
+        top = {_name(i, text, as_ids): lp for i, text, lp in e.top}
+        top[_name(e.token_id, e.token, as_ids)] = e.logprob
+        tops.append(top)
+    return {
+        "tokens": [_name(e.token_id, e.token, as_ids) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], *, as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for `entries`: `content`, one item per token with its
+    text (`as_ids`: `token_id:N`), log-probability, UTF-8 bytes of its text and `top_logprobs`
+    (the most likely alternatives, most likely first)."""
+
+    def item(token_id: int, text: str, logprob: float) -> dict[str, Any]:
+        name = _name(token_id, text, as_ids)
+        return {"token": name, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **item(e.token_id, e.token, e.logprob),
+                "top_logprobs": [item(i, text, lp) for i, text, lp in e.top],
+            }
+            for e in entries
+        ]
+    }

@@ -3,9 +3,9 @@
 A request's decoding options are its `SamplingParams` (`lenbatch.serving.messages`).
 `choose_tokens` picks one token per batch row: greedy rows take the argmax, sampled rows draw
 from their own seeded `torch.Generator`, so a request samples the same tokens whether it runs
-alone or in a batch. `TextTracker` detokenizes incrementally and finds stop strings, holding
-back text that might be the start of one so a stream never shows text that a later stop would
-cut.
+alone or in a batch. `step_logprobs` gives the log-probabilities a request asked for.
+`TextTracker` detokenizes incrementally and finds stop strings, holding back text that might be
+the start of one so a stream never shows text that a later stop would cut.
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ import torch
 
 from lenbatch.serving.messages import SamplingParams
 
-__all__ = ["TextTracker", "choose_tokens", "make_generator", "mask_eos"]
+__all__ = [
+    "LOGPROB_FLOOR",
+    "TextTracker",
+    "choose_tokens",
+    "make_generator",
+    "mask_eos",
+    "step_logprobs",
+]
+
+# A log-probability of -inf (a token the model gives no mass) as JSON can carry it, as vLLM does.
+LOGPROB_FLOOR = -9999.0
 
 # Below this a temperature samples as it does in the limit (the top logit, ties shared).
 _TINIEST_TEMPERATURE = 1e-30
@@ -70,6 +80,27 @@ def choose_tokens(
         else:
             out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+def step_logprobs(
+    logits: torch.Tensor, chosen: Sequence[int], tops: Sequence[int]
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of `logits` `[rows, vocab]` (the model's raw logits, before temperature, top_p
+    or end-of-sequence masking act on them): the log-probability of the row's `chosen` token
+    and its `tops[row]` most likely (token id, log-probability), most likely first. Computed
+    in float32; -inf becomes `LOGPROB_FLOOR`."""
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+    idx = torch.tensor(list(chosen), dtype=torch.long, device=logp.device)
+    own = logp.gather(1, idx[:, None]).squeeze(1).tolist()
+    k = max(tops, default=0)
+    top_ids: list[list[int]] = [[] for _ in tops]
+    top_lps: list[list[float]] = [[] for _ in tops]
+    if k > 0:
+        values, ids = logp.topk(k, dim=-1)
+        top_ids, top_lps = ids.tolist(), values.tolist()
+    return [
+        (own[r], list(zip(top_ids[r][:n], top_lps[r][:n], strict=True))) for r, n in enumerate(tops)
+    ]
 
 
 def mask_eos(logits: torch.Tensor, rows: Sequence[int], eos_ids: frozenset[int]) -> None:

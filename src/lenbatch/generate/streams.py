@@ -11,6 +11,7 @@ The caller reads the queue with `serving.streams.read_deltas`, on the event loop
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from lenbatch.core.request import Request
 from lenbatch.generate.generation import Generation, Timings
@@ -30,9 +31,11 @@ def open_generation(
     timings: Timings,
 ) -> Generation:
     """The `Generation` of `request`, with its event queue and its (not yet admitted) ticket."""
-    gen = Generation(
-        request, params, TextTracker(runner.decode, params.stop), timings, runner.device
-    )
+    texts = None
+    if params.logprobs is not None:
+        texts = getattr(runner, "token_texts", None) or _one_by_one(runner)
+    tracker = TextTracker(runner.decode, params.stop)
+    gen = Generation(request, params, tracker, timings, runner.device, texts)
     gen.sink = asyncio.Queue()
     request.handle = gen
 
@@ -41,6 +44,12 @@ def open_generation(
 
     gen.ticket = Ticket(request, SinkReply(gen.sink, leave_batch), arrival=timings.arrival)
     return gen
+
+
+def _one_by_one(runner: CausalRunner) -> Callable[[list[int]], list[str]]:
+    """Each token's text by the runner's `decode` (special tokens skipped), for a runner
+    without `token_texts`."""
+    return lambda ids: [runner.decode([i]) for i in ids]
 
 
 def ticket_of(gen: Generation) -> Ticket[Delta]:

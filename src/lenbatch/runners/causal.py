@@ -292,6 +292,13 @@ class CausalLMRunner:
         """Text of generated ids, special tokens skipped."""
         return self.text.decode(ids)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id's own text, special tokens included (a log-probability's token)."""
+        texts: list[str] = self.text.tokenizer.batch_decode(
+            [[i] for i in ids], skip_special_tokens=False
+        )
+        return texts
+
     def new_cache(self) -> Any:
         """An empty KV cache for this model."""
         return new_cache(self.model.config)

@@ -153,7 +153,9 @@ class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
                     raise RelayedError(item["error"])
                 if "admitted" in item:
                     continue
-                delta = Delta(tuple(item["ids"]), item["text"], item["finish_reason"])
+                delta = Delta(
+                    tuple(item["ids"]), item["text"], item["finish_reason"], item.get("logprobs")
+                )
                 seq.generated.extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     seq.timings = item.get("timings", {})

@@ -169,7 +169,8 @@ class LMReplica(ReplicaShell):
         **_: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         """Generate from one tokenized prompt: `{"admitted": replica}` or `{"error": ...}`
-        first, then `{"ids", "text", "finish_reason"}` per delta (the last one also carries
+        first, then `{"ids", "text", "finish_reason"}` per delta (and `logprobs`, the
+        `TokenLogprob`s, where the request asked for them; the last one also carries
         `timings`), or `{"error": ...}` if the sequence fails. Leaving early (the ingress
         cancels the stream) cancels the sequence."""
         try:
@@ -185,6 +186,8 @@ class LMReplica(ReplicaShell):
                     "text": d.text,
                     "finish_reason": d.finish_reason,
                 }
+                if d.logprobs is not None:
+                    item["logprobs"] = d.logprobs
                 if d.finish_reason is not None:
                     item["timings"] = seq.timings.summary_ms()
                 yield item

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "MAX_LOGPROBS",
     "CallOptions",
     "Delta",
     "Embedded",
@@ -23,8 +24,13 @@ __all__ = [
     "Predicted",
     "SamplingParams",
     "SubmitOptions",
+    "TokenLogprob",
     "Vector",
 ]
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask log-probabilities of, per generated token (as vLLM's
+default `max_logprobs`; OpenAI allows 5 for completions, 20 for chat)."""
 
 Vector = npt.NDArray[np.float32]
 """One output row: an embedding, or a scorer's / classifier's logits."""
@@ -87,13 +93,29 @@ class Predicted:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution at that step
+    (its logits before temperature, top_p or `min_tokens` act, as vLLM's default reports it),
+    with the `top` most likely tokens of that step, most likely first. Each token comes as its
+    id and its text (special tokens included); a log-probability of -inf is given as -9999.0,
+    as JSON has no infinity."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, its text, log-probability)
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """What a generated sequence produced in one engine step: new token ids, new text, and
-    whether it ended (`finish_reason` is `stop` or `length`, else None)."""
+    whether it ended (`finish_reason` is `stop` or `length`, else None); `logprobs`, one per
+    new token, where the request asked for them (`SamplingParams.logprobs`)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +127,8 @@ class SamplingParams:
     (not included in it). `ignore_eos` keeps generating past end-of-sequence tokens until
     `max_tokens` (benchmarks replaying a trace's output lengths need it). `min_tokens` keeps
     end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
+    `logprobs`: report each generated token's log-probability with that many most likely
+    alternatives (0: the token's own only; None: none), at most `MAX_LOGPROBS`.
     """
 
     max_tokens: int = 16
@@ -114,6 +138,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -133,6 +158,8 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
