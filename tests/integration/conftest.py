@@ -53,14 +53,24 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn serving an engine on 127.0.0.1, in a background thread."""
 
-    def __init__(self, engine: Engine, settings: Settings | None = None, http: Any = None) -> None:
+    def __init__(
+        self,
+        engine: Engine | None,
+        settings: Settings | None = None,
+        http: Any = None,
+        *,
+        app: Any = None,
+    ) -> None:
         """`http`: uvicorn's protocol (default: the one `serve` runs, which stamps each
-        request's read time)."""
+        request's read time); `app`: another app to serve than `create_app(engine)` (an LLM
+        engine's, say)."""
         from lenbatch.serving.server import stamping_protocol
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = create_app(engine, settings)
+        if app is None:
+            assert engine is not None
+            app = create_app(engine, settings)
         config = uvicorn.Config(
             app,
             host="127.0.0.1",
@@ -100,3 +110,21 @@ def served_minilm(minilm: EmbeddingRunner) -> Iterator[LiveServer]:
     engine = Engine(minilm, BatchingConfig(max_wait_ms=5))
     with LiveServer(engine) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_url(llama_runner: Any) -> Iterator[str]:
+    """The tiny Llama's OpenAI app (continuous batching, buckets 8/16/32, batches of 4, 16
+    tokens by default) behind uvicorn on 127.0.0.1: its base URL."""
+    from lenbatch.config import BatchingConfig, GenerationConfig
+    from lenbatch.generate import GenerationEngine
+    from lenbatch.generate.api import create_llm_app
+
+    engine = GenerationEngine(
+        llama_runner,
+        BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
+        generation=GenerationConfig(default_max_tokens=16),
+    )
+    app = create_llm_app(engine, Settings.model_validate({"model": {"name": "tiny-llama"}}))
+    with LiveServer(None, app=app) as server:
+        yield server.url

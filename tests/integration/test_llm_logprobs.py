@@ -10,20 +10,14 @@ request's log-probabilities follow the same reference.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
-from lenbatch.config import BatchingConfig, GenerationConfig, Settings
-from lenbatch.generate import GenerationEngine
-from lenbatch.generate.api import create_llm_app
 from tests.llm_reference import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -32,28 +26,9 @@ TOP = 3
 
 
 @pytest.fixture(scope="module")
-def served(llama_runner: Any) -> Iterator[tuple[Any, str]]:
-    """The tiny Llama behind uvicorn on 127.0.0.1: (runner, base URL)."""
-    engine = GenerationEngine(
-        llama_runner,
-        BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
-        generation=GenerationConfig(default_max_tokens=16),
-    )
-    app = create_llm_app(engine, Settings.model_validate({"model": {"name": "tiny-llama"}}))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield llama_runner, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+def served(llama_runner: Any, tiny_llm_url: str) -> tuple[Any, str]:
+    """The tiny Llama's runner and its server's base URL."""
+    return llama_runner, tiny_llm_url
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -26,7 +26,7 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
-from lenbatch.generate.sampling import choose_tokens, mask_eos, step_logprobs
+from lenbatch.generate.sampling import choose_tokens, mask_eos, penalize, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
 from lenbatch.serving.messages import Delta
@@ -409,11 +409,14 @@ class Decoder:
 
 
 def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:
-    """Next token of each row; rows below their `min_tokens` cannot end yet. A row whose
-    request asked for log-probabilities gets them in `Generation.step_logprob`, read from its
-    raw logits (a copy taken before the end-of-sequence mask)."""
+    """Next token of each row, after its penalties and logit biases; rows below their
+    `min_tokens` cannot end yet. A row whose request asked for log-probabilities gets them in
+    `Generation.step_logprob`, read from its raw logits (a copy taken before any of that)."""
     asked = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
     raw = logits[asked] if asked else None  # indexing by a list copies the rows
+    for i, g in enumerate(gens):
+        if g.params.penalized:
+            penalize(logits, i, g.params, g.request.token_ids or (), g.generated)
     young = [i for i, g in enumerate(gens) if len(g.generated) < g.params.min_tokens]
     mask_eos(logits, young, eos)
     tokens = choose_tokens(logits, [g.params for g in gens], [g.generator for g in gens])

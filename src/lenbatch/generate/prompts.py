@@ -98,13 +98,17 @@ class Prompts:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Refuse a prompt the model cannot take, before any admission: empty, token ids out of
-        the vocabulary, `max_tokens` over this server's limit (`BadInput`), or prompt plus
-        `max_tokens` over the context (`InputTooLong`)."""
+        the vocabulary (its own or `logit_bias`'s), `max_tokens` over this server's limit
+        (`BadInput`), or prompt plus `max_tokens` over the context (`InputTooLong`)."""
         if not prompt:
             raise BadInput("the prompt is empty (0 tokens)")
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.info.vocab_size:
             raise BadInput(f"prompt has token ids outside [0, {self.info.vocab_size})")
+        vocab = self.info.vocab_size
+        for token, _ in params.logit_bias:
+            if not 0 <= token < vocab:
+                raise BadInput(f"logit_bias names token {token}, outside [0, {vocab})")
         limit = self.generation.max_tokens_limit
         if limit is not None and params.max_tokens > limit:
             raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")

@@ -15,7 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from lenbatch.core.errors import BadInput
-from lenbatch.serving.messages import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from lenbatch.serving.messages import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+    TokenLogprob,
+)
 from lenbatch.serving.services import GenerationHandle
 
 __all__ = [
@@ -65,9 +71,25 @@ class CommonOptions(BaseModel):
     )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(
+        0.0, ge=-2, le=2, description="Subtracted from the logit of every token in the output."
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2,
+        le=2,
+        description="Times a token's count in the output, subtracted from its logit.",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="As transformers and vLLM: the logit of a token in the prompt or the output "
+        "is divided by it where positive, multiplied where negative (1: off).",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias from -100 to 100, added to its logit."
+    )
     user: str | None = None
     return_tokens_as_token_ids: bool = Field(
         False,
@@ -93,11 +115,19 @@ class CommonOptions(BaseModel):
         """The first option set to something this server cannot honour, named."""
         if self.n != 1:
             return f"n={self.n}: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         return None
+
+    def _biases(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400 (one
+        outside the vocabulary is refused where the vocabulary is known, at submission)."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadInput(f"logit_bias keys must be token ids, got {key!r}") from None
+            out.append((token, float(bias)))
+        return tuple(out)
 
     def logprob_count(self) -> int | None:
         """Alternatives to report per generated token's log-probability; None: no
@@ -119,6 +149,10 @@ class CommonOptions(BaseModel):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=self.logprob_count(),
+                repetition_penalty=self.repetition_penalty,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
+                logit_bias=self._biases(),
             )
         except ValueError as exc:
             raise BadInput(str(exc)) from None

@@ -3,13 +3,15 @@
 A request's decoding options are its `SamplingParams` (`lenbatch.serving.messages`).
 `choose_tokens` picks one token per batch row: greedy rows take the argmax, sampled rows draw
 from their own seeded `torch.Generator`, so a request samples the same tokens whether it runs
-alone or in a batch. `step_logprobs` gives the log-probabilities a request asked for.
+alone or in a batch. `penalize` applies a request's penalties and logit biases to its row
+first; `step_logprobs` gives the log-probabilities a request asked for.
 `TextTracker` detokenizes incrementally and finds stop strings, holding back text that might be
 the start of one so a stream never shows text that a later stop would cut.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,6 +24,7 @@ __all__ = [
     "choose_tokens",
     "make_generator",
     "mask_eos",
+    "penalize",
     "step_logprobs",
 ]
 
@@ -101,6 +104,32 @@ def step_logprobs(
     return [
         (own[r], list(zip(top_ids[r][:n], top_lps[r][:n], strict=True))) for r, n in enumerate(tops)
     ]
+
+
+def penalize(
+    logits: torch.Tensor, row: int, params: SamplingParams, prompt: Sequence[int],
+    generated: Sequence[int],
+) -> None:  # fmt: skip
+    """Apply `params`' penalties and logit biases to `logits[row]` in place, given the row's
+    `prompt` and `generated` token ids (see `SamplingParams`): the repetition penalty over
+    both (as transformers' `RepetitionPenaltyLogitsProcessor`), then OpenAI's frequency and
+    presence penalties over the output, then the biases."""
+    x = logits[row]
+    dev = x.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt, *generated}), dtype=torch.long, device=dev)
+        vals = x[seen]
+        p = params.repetition_penalty
+        x[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.frequency_penalty or params.presence_penalty) and generated:
+        counted = Counter(generated)
+        ids = torch.tensor(list(counted), dtype=torch.long, device=dev)
+        counts = torch.tensor(list(counted.values()), dtype=x.dtype, device=dev)
+        x[ids] -= counts * params.frequency_penalty + params.presence_penalty
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=dev)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=x.dtype, device=dev)
+        x.index_add_(0, ids, bias)
 
 
 def mask_eos(logits: torch.Tensor, rows: Sequence[int], eos_ids: frozenset[int]) -> None:

@@ -16,6 +16,8 @@ import numpy.typing as npt
 
 __all__ = [
     "MAX_LOGPROBS",
+    "MAX_REPETITION_PENALTY",
+    "MIN_REPETITION_PENALTY",
     "CallOptions",
     "Delta",
     "Embedded",
@@ -27,6 +29,11 @@ __all__ = [
     "TokenLogprob",
     "Vector",
 ]
+
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
+"""The `repetition_penalty`s taken (1 leaves the logits alone). Past a few it only makes every
+earlier token unchoosable; a tiny one would divide logits into infinities (the fuzzer sent
+5e-324), which sampling cannot take."""
 
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities of, per generated token (as vLLM's
@@ -129,6 +136,13 @@ class SamplingParams:
     end-of-sequence tokens from being chosen until that many tokens exist (as in vLLM).
     `logprobs`: report each generated token's log-probability with that many most likely
     alternatives (0: the token's own only; None: none), at most `MAX_LOGPROBS`.
+
+    Penalties and biases change the logits a token is chosen from (not its reported
+    log-probability): `repetition_penalty` (as transformers and vLLM: a token already in the
+    prompt or the output has its logit divided by it where positive, multiplied where
+    negative), `frequency_penalty` and `presence_penalty` (OpenAI's: a token's logit less its
+    count in the output so far times the first, less the second if it occurs at all), and
+    `logit_bias` ((token id, bias) pairs added to the logits, OpenAI's -100 to 100).
     """
 
     max_tokens: int = 16
@@ -139,6 +153,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -160,6 +178,27 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty or a bias changes the logits a token is chosen from."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
