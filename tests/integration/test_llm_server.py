@@ -271,7 +271,8 @@ def test_kv_cache_accounted_apart_from_weights(served: _Served) -> None:
 _SEED_RANGE = "seed: must be an integer in [-9223372036854775808, 9223372036854775807]"
 _BAD_BODIES: list[tuple[dict[str, Any], int, str]] = [
     ({"prompt": "hi", "max_tokens": 100_000}, 413, "context of 512 tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "only n=1"),
+    ({"prompt": "hi", "n": 17}, 400, "less than or equal to 16"),
+    ({"prompt": "hi", "n": 0}, 400, "greater than or equal to 1"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
     ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [999_999], "max_tokens": 3}, 400, "token ids outside"),

@@ -101,9 +101,13 @@ def create_llm_app(
         prompts = await engine.prompt_ids(body.prompt)
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
-        params = body.sampling(body.max_tokens or default)
+        params = body.choice_params(body.sampling(body.max_tokens or default))
         seqs = engine.submit_all(
-            prompts, params, arrival=arrival, timeout=x_request_timeout, priority=x_priority or 0
+            [p for p in prompts for _ in params],
+            params * len(prompts),
+            arrival=arrival,
+            timeout=x_request_timeout,
+            priority=x_priority or 0,
         )
         return await _respond(request, engine, seqs, body, served, chat=False)
 
@@ -119,9 +123,13 @@ def create_llm_app(
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens
-        params = body.sampling(requested or engine.context_left(len(prompt)))
+        params = body.choice_params(body.sampling(requested or engine.context_left(len(prompt))))
         seqs = engine.submit_all(
-            [prompt], params, arrival=arrival, timeout=x_request_timeout, priority=x_priority or 0
+            [prompt] * len(params),
+            params,
+            arrival=arrival,
+            timeout=x_request_timeout,
+            priority=x_priority or 0,
         )
         return await _respond(request, engine, seqs, body, served, chat=True)
 
@@ -196,7 +204,7 @@ async def _respond(
                 engine.cancel(s)
             return Response(status_code=499)
         events = _sse(seqs, first, merged, rid, created, served, chat, include_usage,
-                      body.return_tokens_as_token_ids)  # fmt: skip
+                      body.return_tokens_as_token_ids, body.n)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     done = await unless_disconnected(request, _collect(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
@@ -215,7 +223,7 @@ async def _respond(
             lp = completion_logprobs(logprobs[i], as_ids=as_ids) if asked else None
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
     payload = envelope(rid, created, served, choices, chat=chat, chunk=False)
-    payload["usage"] = usage(seqs)
+    payload["usage"] = usage(seqs, body.n)
     payload["lenbatch"] = {"timings": [s.timings_ms() for s in seqs]}
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
@@ -256,6 +264,7 @@ async def _sse(
     chat: bool,
     include_usage: bool,
     as_ids: bool = False,
+    n: int = 1,
 ) -> AsyncIterator[str]:
     """The response as server-sent events: the `first` delta, then the `rest`, `data: [DONE]`
     last. Errors after the first token arrive as an `error` event (the status line was
@@ -294,7 +303,7 @@ async def _sse(
             yield obj_line(obj)
         if include_usage:
             obj = chunk([])
-            obj["usage"] = usage(seqs)
+            obj["usage"] = usage(seqs, n)
             yield obj_line(obj)
     except LenbatchError as err:
         yield obj_line(json.loads(bytes(error_response(err).body).decode()))

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lenbatch.config import (
@@ -61,6 +62,7 @@ from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
 from lenbatch.serving.messages import Delta, SamplingParams
+from lenbatch.serving.services import params_per_prompt
 from lenbatch.serving.streams import DeltaStreams
 from lenbatch.serving.workers import run_in_worker
 
@@ -212,13 +214,14 @@ class GenerationEngine(
     def submit_all(
         self,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         *,
         arrival: float | None = None,
         timeout: float | None = None,
         priority: int = 0,
     ) -> list[Generation]:
-        """Queue every prompt of one call; if one is refused, withdraw the others."""
+        """Queue every prompt of one call (`params`: one for all, or one per prompt); if one
+        is refused, withdraw the others."""
         levels = self.adaptive.slo.levels if self.adaptive is not None else 1
         if isinstance(priority, bool) or not 0 <= priority < levels:
             allowed = (
@@ -230,8 +233,8 @@ class GenerationEngine(
             raise BadInput(f"priority must be {allowed}; got {priority!r}", code="invalid_priority")
         gens: list[Generation] = []
         try:
-            for p in prompts:
-                gen = self.submit(p, params, arrival=arrival, timeout=timeout, priority=priority)
+            for p, sp in zip(prompts, params_per_prompt(prompts, params), strict=True):
+                gen = self.submit(p, sp, arrival=arrival, timeout=timeout, priority=priority)
                 gens.append(gen)
         except LenbatchError:
             for g in gens:

@@ -7,6 +7,7 @@ do) plus `ignore_eos` (as in vLLM); options this server cannot honour are named 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from lenbatch.serving.messages import (
 from lenbatch.serving.services import GenerationHandle
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_STOP",
     "SEED_MAX",
     "SEED_MIN",
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 MAX_STOP = 4
+MAX_CHOICES = 16  # `n`: each choice is a prompt of its own in the batch (no shared prefill)
 # Seeds are 64-bit signed integers, as in vLLM (torch.Generator takes no wider value).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -60,7 +63,12 @@ class CommonOptions(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="Choices per prompt; with a `seed`, choice j samples with seed + j.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -113,9 +121,14 @@ class CommonOptions(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""
-        if self.n != 1:
-            return f"n={self.n}: only n=1 is supported"
         return None
+
+    def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """The sampling of each of a prompt's `n` choices: `params`, with a `seed`, seed + j
+        for choice j (as vLLM), so seeded choices differ and each is reproducible."""
+        if params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=_wrapped(params.seed + j)) for j in range(self.n)]
 
     def _biases(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400 (one
@@ -232,9 +245,15 @@ class ChatRequest(CommonOptions):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def usage(seqs: Sequence[GenerationHandle]) -> dict[str, int]:
-    """OpenAI usage counts of a call's sequences (every generated token counts)."""
-    prompt = sum(s.prompt_tokens for s in seqs)
+def _wrapped(seed: int) -> int:
+    """`seed` kept in the 64-bit signed range (seed + j past the top wraps to the bottom)."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
+
+
+def usage(seqs: Sequence[GenerationHandle], choices: int = 1) -> dict[str, int]:
+    """OpenAI usage counts of a call's sequences (every generated token counts), `choices`
+    per prompt, in prompt order: a prompt's tokens count once, as OpenAI counts them."""
+    prompt = sum(s.prompt_tokens for s in seqs[::choices])
     completion = sum(s.completion_tokens for s in seqs)
     return {
         "prompt_tokens": prompt,

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
 from lenbatch.generate.prompts import PromptCalls, Prompts
@@ -33,6 +33,7 @@ from lenbatch.scaleout.calls import RelayedError, StreamCut
 from lenbatch.scaleout.ingress import IngressSettings, RayFrontend
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams, SubmitOptions
+from lenbatch.serving.services import params_per_prompt
 from lenbatch.serving.streams import DeltaQueue, DeltaStreams, SinkReply
 
 __all__ = ["LMFrontend", "RemoteSequence"]
@@ -107,24 +108,30 @@ class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
         self.prompts.close()
 
     def submit_all(
-        self, prompts: list[list[int]], params: SamplingParams, **options: Unpack[SubmitOptions]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        **options: Unpack[SubmitOptions],
     ) -> list[RemoteSequence]:
-        """Admit every prompt of one call, each owned by the group of its length, and start
-        relaying it from a replica; a prompt the checks refuse refuses the whole call."""
+        """Admit every prompt of one call (`params`: one for all, or one per prompt), each
+        owned by the group of its length, and start relaying it from a replica; a prompt the
+        checks refuse refuses the whole call."""
         self.check_running()
-        for p in prompts:
+        each = params_per_prompt(prompts, params)
+        for p, sp in zip(prompts, each, strict=True):
             # The single server's checks, here so a bad prompt is refused with its status
             # before a stream starts; the replica's engine makes them again, and its
             # admission (queue limits) answers the rest.
-            self.prompts.check(p, params)
+            self.prompts.check(p, sp)
         timeout = options.get("timeout")
         if timeout is None:
             timeout = self.request_timeout
         priority = options.get("priority", 0)
         now = self.clock.now()
         seqs = []
-        for p, owner in zip(prompts, self.place([len(p) for p in prompts]), strict=True):
-            seq = RemoteSequence(p, params, owner, timeout, priority)
+        owners = self.place([len(p) for p in prompts])
+        for p, sp, owner in zip(prompts, each, owners, strict=True):
+            seq = RemoteSequence(p, sp, owner, timeout, priority)
             seq.ticket = self._admit(len(p), SinkReply(seq.sink, seq.stop), now)
             seq.relay = asyncio.create_task(self._settle(seq.ticket, self._relay(seq)))
             seqs.append(seq)

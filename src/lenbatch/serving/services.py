@@ -44,6 +44,7 @@ __all__ = [
     "GenerationService",
     "ScoringService",
     "Service",
+    "params_per_prompt",
 ]
 
 H = TypeVar("H", bound="GenerationHandle")
@@ -185,11 +186,15 @@ class GenerationService(Service, Clocked, Protocol[H]):
         ...
 
     def submit_all(
-        self, prompts: list[list[int]], params: SamplingParams, **options: Unpack[SubmitOptions]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        **options: Unpack[SubmitOptions],
     ) -> list[H]:
         """Admit every prompt of one call, or none (a refused prompt withdraws the others);
         raises the refusal (`BadInput`, `InputTooLong`, `Overloaded`, `Unavailable`).
-        `options`: arrival, timeout and priority, see `SubmitOptions`."""
+        `params`: one for every prompt, or one per prompt (a call's `n` choices differ by
+        seed). `options`: arrival, timeout and priority, see `SubmitOptions`."""
         ...
 
     def stream(self, handle: H) -> AsyncIterator[Delta]:
@@ -236,3 +241,14 @@ class ScoringService(Service, Clocked, Protocol):
         """The logits of each input, in order, and the tokens they took. A pair that is too
         long is cut from the document's side when `truncate` is set, never the query's."""
         ...
+
+
+def params_per_prompt(
+    prompts: Sequence[object], params: SamplingParams | Sequence[SamplingParams]
+) -> list[SamplingParams]:
+    """`submit_all`'s `params` as one per prompt."""
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise RuntimeError(f"bug: {len(params)} sampling params for {len(prompts)} prompts")
+    return list(params)
