@@ -233,3 +233,44 @@ def test_out_of_range_logprobs_get_a_clear_400(
     resp = httpx.post(url + route, json={"max_tokens": 2, **body}, timeout=30)
     assert resp.status_code == 400, resp.text
     assert needle in resp.json()["error"]["message"]
+
+
+def test_echo_gives_the_prompt_and_its_log_probabilities_first(served: tuple[Any, str]) -> None:
+    """`echo` with `logprobs=2` and `max_tokens=1` (how evaluation harnesses score a text):
+    the text is the prompt then the completion; the tokens are the prompt's then the generated
+    one; the first has null log-probability and alternatives, every other equals the
+    reference (the sequence teacher-forced from its first token). A stream sends the prompt
+    first with the same figures; a prompt given as token ids echoes as their text; with
+    `n=2` each choice starts with the prompt."""
+    runner, url = served
+    client = _client(url)
+    text = PROMPTS[1]
+    ids = runner.tokenize([text])[0]
+    kw: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 1, "temperature": 0}
+    kw |= {"echo": True, "logprobs": 2, "extra_body": {"return_tokens_as_token_ids": True}}
+    out = client.completions.create(prompt=text, **kw).choices[0]
+    lp = out.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    got = _as_ids(lp.tokens)
+    assert got[: len(ids)] == ids and len(got) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert out.text.startswith(text) and len(out.text) > len(text)
+    tops = [list(t.items()) for t in lp.top_logprobs[1:]]
+    _check(runner, ids[:1], got[1:], list(lp.token_logprobs[1:]), tops, 2, _token_id)
+    streamed = list(client.completions.create(prompt=text, stream=True, **kw))
+    first = streamed[0].choices[0]
+    assert first.text == text and first.logprobs is not None
+    assert first.logprobs.tokens == lp.tokens[: len(ids)]
+    assert first.logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    whole = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert whole == out.text
+    plain = client.completions.create(
+        model="tiny-llama", prompt=ids, max_tokens=3, temperature=0, echo=True, n=2
+    )
+    assert all(c.text.startswith(runner.decode(ids)) for c in plain.choices)
+    assert all(c.logprobs is None for c in plain.choices)
+    assert len(plain.choices) == 2
+
+
+def _token_id(i: int) -> str:
+    return f"token_id:{i}"

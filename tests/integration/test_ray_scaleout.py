@@ -284,6 +284,15 @@ def test_openai_completions_on_ray_equal_generate(llm_app: str, llama_runner: An
     ref = torch.log_softmax(logits[len(ids) - 1 : -1].float(), dim=-1)
     want_lp = [float(ref[i, t]) for i, t in enumerate(tokens)]
     assert lp.token_logprobs == pytest.approx(want_lp, abs=2e-4)
+    # echo: the prompt's text first; its log-probabilities need the model, not the ingress
+    echoed = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == PROMPTS[0] + _greedy_text(llama_runner, ids, 6)[1]
+    with pytest.raises(openai.BadRequestError, match="not served with --ray"):
+        client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=2, echo=True, logprobs=1
+        )
     # The single server's validation and error shape, before anything reaches a replica.
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)

@@ -109,7 +109,16 @@ def create_llm_app(
             timeout=x_request_timeout,
             priority=x_priority or 0,
         )
-        return await _respond(request, engine, seqs, body, served, chat=False)
+        echoes = None
+        if body.echo:
+            try:
+                echoed = await _echoes(engine, body.prompt, prompts, body.logprob_count())
+            except BaseException:
+                for s in seqs:
+                    engine.cancel(s)
+                raise
+            echoes = [e for e in echoed for _ in params]  # one per choice
+        return await _respond(request, engine, seqs, body, served, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -137,6 +146,27 @@ def create_llm_app(
         add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted, served)
     add_task_refusals(app, served, ["generate"])
     return app
+
+
+Echo = tuple[str, list[TokenLogprob] | None]
+"""An echoed prompt: its text, and its tokens' log-probabilities where asked."""
+
+
+async def _echoes(
+    engine: GenerationService[Any],
+    raw: str | list[str] | list[int] | list[list[int]],
+    prompts: list[list[int]],
+    top: int | None,
+) -> list[Echo]:
+    """Each prompt as `echo` shows it: its text as given (a prompt given as token ids: their
+    text), and its tokens' log-probabilities when `top` is not None."""
+    one = isinstance(raw, str) or (bool(raw) and isinstance(raw[0], int))
+    texts: list[Any] = [raw] if one else list(raw)
+    out: list[Echo] = []
+    for given, ids in zip(texts, prompts, strict=True):
+        text = given if isinstance(given, str) else await engine.prompt_text(ids)
+        out.append((text, None if top is None else await engine.prompt_logprobs(ids, top)))
+    return out
 
 
 async def _merged(
@@ -184,6 +214,7 @@ async def _respond(
     served: str,
     *,
     chat: bool,
+    echoes: list[Echo] | None = None,
 ) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + seqs[0].request_id
     created = int(time.time())
@@ -204,7 +235,7 @@ async def _respond(
                 engine.cancel(s)
             return Response(status_code=499)
         events = _sse(seqs, first, merged, rid, created, served, chat, include_usage,
-                      body.return_tokens_as_token_ids, body.n)  # fmt: skip
+                      body.return_tokens_as_token_ids, body.n, echoes)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     done = await unless_disconnected(request, _collect(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
@@ -220,8 +251,12 @@ async def _respond(
             lp = chat_logprobs(logprobs[i], as_ids=as_ids) if asked else None
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         else:
-            lp = completion_logprobs(logprobs[i], as_ids=as_ids) if asked else None
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+            head, head_lp = echoes[i] if echoes is not None else ("", None)
+            lp = completion_logprobs([*(head_lp or []), *logprobs[i]], as_ids=as_ids)
+            choices.append(
+                {"index": i, "text": head + text, "logprobs": lp if asked else None,
+                 "finish_reason": reason}
+            )  # fmt: skip
     payload = envelope(rid, created, served, choices, chat=chat, chunk=False)
     payload["usage"] = usage(seqs, body.n)
     payload["lenbatch"] = {"timings": [s.timings_ms() for s in seqs]}
@@ -265,6 +300,7 @@ async def _sse(
     include_usage: bool,
     as_ids: bool = False,
     n: int = 1,
+    echoes: list[Echo] | None = None,
 ) -> AsyncIterator[str]:
     """The response as server-sent events: the `first` delta, then the `rest`, `data: [DONE]`
     last. Errors after the first token arrive as an `error` event (the status line was
@@ -285,6 +321,11 @@ async def _sse(
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield obj_line(chunk([dict(role, finish_reason=None)]))
         offsets = [0] * len(seqs)  # characters of each choice's token texts so far
+        for i, (head, head_lp) in enumerate(echoes or []):  # the prompts first, where echoed
+            part = None if head_lp is None else completion_logprobs(head_lp, as_ids=as_ids)
+            offsets[i] = sum(len(e.token) for e in head_lp or [])
+            echo = {"index": i, "text": head, "logprobs": part, "finish_reason": None}
+            yield obj_line(chunk([echo]))
         async for i, d in deltas():
             if chat:
                 choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}

@@ -54,14 +54,15 @@ from lenbatch.generate.jobs import UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import DecodePolicy, Unit, make_policy
 from lenbatch.generate.prompts import PromptCalls, Prompts
+from lenbatch.generate.sampling import step_logprobs
 from lenbatch.generate.schedule_step import ScheduleStep
 from lenbatch.generate.shapes import make_fixed_shapes
-from lenbatch.generate.streams import open_generation, ticket_of
+from lenbatch.generate.streams import open_generation, ticket_of, token_texts_of
 from lenbatch.generate.update_step import UpdateStep
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.engine import BaseEngine
 from lenbatch.serving.lengthlog import LengthLog
-from lenbatch.serving.messages import Delta, SamplingParams
+from lenbatch.serving.messages import Delta, SamplingParams, TokenLogprob
 from lenbatch.serving.services import params_per_prompt
 from lenbatch.serving.streams import DeltaStreams
 from lenbatch.serving.workers import run_in_worker
@@ -241,6 +242,25 @@ class GenerationEngine(
                 self.cancel(g)
             raise
         return gens
+
+    async def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Each token of a checked `prompt` with its log-probability given the tokens before
+        it and its `top` most likely alternatives (the first: None), for `echo`: one
+        transformers forward of the prompt in the worker thread, between units."""
+        return await run_in_worker(self._executor, self._prompt_logprobs, prompt, top)
+
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        scorer = getattr(self.runner, "prompt_logits", None)
+        if scorer is None:
+            raise BadInput(f"model {self.info.name} cannot give a prompt's log-probabilities")
+        steps = step_logprobs(scorer(prompt), prompt[1:], [top] * (len(prompt) - 1))
+        texts = token_texts_of(self.runner)
+        out = [TokenLogprob(prompt[0], texts([prompt[0]])[0], None)]
+        for token, (own, alternatives) in zip(prompt[1:], steps, strict=True):
+            names = texts([token, *(i for i, _ in alternatives)])
+            tops = tuple((i, n, lp) for (i, lp), n in zip(alternatives, names[1:], strict=True))
+            out.append(TokenLogprob(token, names[0], own, tops))
+        return out
 
     def submit(
         self,

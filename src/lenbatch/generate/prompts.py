@@ -41,6 +41,10 @@ class PromptTokenizer(Protocol):
         """Token ids of chat messages through the chat template."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        ...
+
 
 class Prompts:
     """Tokenizes and checks the prompts of one served causal LM."""
@@ -89,6 +93,11 @@ class Prompts:
             raise BadInput(f"model {self.info.name} has no chat template; use /v1/completions")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.tokenizer.chat_prompt, messages)
+
+    async def text(self, ids: list[int]) -> str:
+        """The text of token ids (special tokens skipped), in a worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids)
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
@@ -151,3 +160,8 @@ class PromptCalls:
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
         return self.prompts.context_left(prompt_len)
+
+    async def prompt_text(self, ids: list[int]) -> str:
+        """The text of a prompt's token ids (special tokens skipped), off the event loop: what
+        `echo` shows of a prompt given as token ids."""
+        return await self.prompts.text(ids)

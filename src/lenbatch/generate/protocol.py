@@ -175,7 +175,11 @@ class CompletionRequest(CommonOptions):
     """Body of `POST /v1/completions`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool = Field(
+        False,
+        description="Begin each choice's text with its prompt (and, with `logprobs`, its "
+        "tokens with the prompt's log-probabilities, the first null).",
+    )
     best_of: int | None = None
     suffix: str | None = None
     logprobs: int | None = Field(
@@ -192,8 +196,6 @@ class CompletionRequest(CommonOptions):
 
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""
-        if self.echo:
-            return "echo is not supported"
         if self.best_of not in (None, 1):
             return "best_of is not supported"
         if self.suffix:
@@ -291,13 +293,17 @@ def completion_logprobs(
     character `offset` of the completion's text: `tokens`, `token_logprobs`, `top_logprobs`
     (per token, the most likely alternatives and the chosen token itself, as OpenAI and vLLM
     give them: up to `logprobs` + 1 entries) and `text_offset` (by the tokens' texts).
-    `as_ids`: tokens named `token_id:N`."""
+    `as_ids`: tokens named `token_id:N`. An echoed prompt's first token, which has no
+    log-probability, has null for both (as OpenAI gives it)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for e in entries:
+        if e.logprob is None:
+            tops.append(None)
+            continue
         top = {_name(i, text, as_ids): lp for i, text, lp in e.top}
         top[_name(e.token_id, e.token, as_ids)] = e.logprob
         tops.append(top)
@@ -314,7 +320,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], *, as_ids: bool = False) -> d
     text (`as_ids`: `token_id:N`), log-probability, UTF-8 bytes of its text and `top_logprobs`
     (the most likely alternatives, most likely first)."""
 
-    def item(token_id: int, text: str, logprob: float) -> dict[str, Any]:
+    def item(token_id: int, text: str, logprob: float | None) -> dict[str, Any]:
         name = _name(token_id, text, as_ids)
         return {"token": name, "logprob": logprob, "bytes": list(text.encode())}
 

@@ -21,7 +21,7 @@ from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams
 from lenbatch.serving.streams import SinkReply
 
-__all__ = ["open_generation", "ticket_of"]
+__all__ = ["open_generation", "ticket_of", "token_texts_of"]
 
 
 def open_generation(
@@ -31,9 +31,7 @@ def open_generation(
     timings: Timings,
 ) -> Generation:
     """The `Generation` of `request`, with its event queue and its (not yet admitted) ticket."""
-    texts = None
-    if params.logprobs is not None:
-        texts = getattr(runner, "token_texts", None) or _one_by_one(runner)
+    texts = token_texts_of(runner) if params.logprobs is not None else None
     tracker = TextTracker(runner.decode, params.stop)
     gen = Generation(request, params, tracker, timings, runner.device, texts)
     gen.sink = asyncio.Queue()
@@ -46,10 +44,11 @@ def open_generation(
     return gen
 
 
-def _one_by_one(runner: CausalRunner) -> Callable[[list[int]], list[str]]:
-    """Each token's text by the runner's `decode` (special tokens skipped), for a runner
-    without `token_texts`."""
-    return lambda ids: [runner.decode([i]) for i in ids]
+def token_texts_of(runner: CausalRunner) -> Callable[[list[int]], list[str]]:
+    """Each token's own text: the runner's `token_texts` (special tokens included), else its
+    `decode` one token at a time (special tokens skipped)."""
+    texts: Callable[[list[int]], list[str]] | None = getattr(runner, "token_texts", None)
+    return texts or (lambda ids: [runner.decode([i]) for i in ids])
 
 
 def ticket_of(gen: Generation) -> Ticket[Delta]:

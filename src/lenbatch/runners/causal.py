@@ -292,6 +292,15 @@ class CausalLMRunner:
         """Text of generated ids, special tokens skipped."""
         return self.text.decode(ids)
 
+    @torch.no_grad()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits `[len(ids) - 1, vocab]` of each position but the last (row i: the next
+        token after `ids[: i + 1]`), from transformers' forward of the whole prompt, the
+        served weights in the runner's dtype (the lean path computes last columns only)."""
+        x = torch.tensor([ids], device=self.device)
+        logits: torch.Tensor = self.model(input_ids=x, attention_mask=torch.ones_like(x)).logits
+        return logits[0, :-1]
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each id's own text, special tokens included (a log-probability's token)."""
         texts: list[str] = self.text.tokenizer.batch_decode(

@@ -27,12 +27,13 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
+from lenbatch.core.errors import BadInput
 from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.calls import RelayedError, StreamCut
 from lenbatch.scaleout.ingress import IngressSettings, RayFrontend
 from lenbatch.serving.ledger import Ticket
-from lenbatch.serving.messages import Delta, SamplingParams, SubmitOptions
+from lenbatch.serving.messages import Delta, SamplingParams, SubmitOptions, TokenLogprob
 from lenbatch.serving.services import params_per_prompt
 from lenbatch.serving.streams import DeltaQueue, DeltaStreams, SinkReply
 
@@ -106,6 +107,13 @@ class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
 
     def _release(self) -> None:
         self.prompts.close()
+
+    async def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Not here: the ingress holds the tokenizer, not the model."""
+        raise BadInput(
+            "echo with logprobs (a prompt's log-probabilities) is not served with --ray; "
+            "echo alone is"
+        )
 
     def submit_all(
         self,

@@ -109,7 +109,7 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token, which has no context
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, its text, log-probability)
 
 

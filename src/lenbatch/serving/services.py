@@ -35,6 +35,7 @@ from lenbatch.serving.messages import (
     Predicted,
     SamplingParams,
     SubmitOptions,
+    TokenLogprob,
 )
 
 __all__ = [
@@ -183,6 +184,16 @@ class GenerationService(Service, Clocked, Protocol[H]):
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
+        ...
+
+    async def prompt_text(self, ids: list[int]) -> str:
+        """The text of a prompt's token ids (special tokens skipped), off the event loop."""
+        ...
+
+    async def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Each token of a (checked) `prompt` with its log-probability given the tokens
+        before it and its `top` most likely alternatives (the first token: None, no
+        alternatives), for `echo`. Raises `BadInput` where the front end cannot."""
         ...
 
     def submit_all(
