@@ -676,6 +676,12 @@ script_recipe(
     "--mixed", "1x64,1x135,2x135", "--out", "bench/results/llm_mixed_step.md",
 )  # fmt: skip
 script_recipe(
+    "llm-logprobs-vllm", "llm_logprobs_vllm.py",
+    "Log-probabilities of greedy completions and of echoed prompts, lenbatch against vLLM "
+    "CPU float32 on the same GSM8K prompts (zen3-model1/logprobs-vllm.md).",
+    "--prompts", "24", "--tokens", "16",
+)  # fmt: skip
+script_recipe(
     "llm-padded-prefill", "llm_padded_prefill.py",
     "A left-padded prefill job's forward, its padding left out of the products against run "
     "through them, lean float32 int4 (zen3-model1/padded-prefill.md).",
