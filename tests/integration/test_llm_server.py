@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from lenbatch.config import BatchingConfig, GenerationConfig, Settings
@@ -192,6 +193,57 @@ def test_stop_string_ends_the_text_before_it(served: _Served) -> None:
         model="tiny-llama", prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=stop, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(served: _Served) -> None:
+    """vLLM's `include_stop_str_in_output`: the text ends with the stop string that ended it,
+    whole or streamed."""
+    client = _client(served)
+    kw: dict[str, Any] = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 20}
+    kw["temperature"] = 0
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[4:7]
+    want = text[: text.index(stop) + len(stop)]
+    extra = {"include_stop_str_in_output": True}
+    out = client.completions.create(stop=[stop], extra_body=extra, **kw).choices[0]
+    assert (out.text, out.finish_reason) == (want, "stop")
+    streamed = client.completions.create(stop=stop, stream=True, extra_body=extra, **kw)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+
+
+def test_stop_token_ids_end_the_text_as_generate_eos_does(served: _Served) -> None:
+    """vLLM's `stop_token_ids`: the text ends before the first of them, as
+    `generate(eos_token_id=...)` stops at it; `min_tokens` holds it back, even with
+    `ignore_eos`; an id outside the vocabulary is a 400."""
+    runner = served.runner
+    ids = runner.tokenize([PROMPTS[2]])[0]
+    greedy = reference_greedy(runner, ids, 12)
+    stop = greedy[3]
+    ref = torch.tensor([ids])
+    with torch.no_grad():
+        out = runner.model.generate(
+            ref, attention_mask=torch.ones_like(ref), max_new_tokens=12, do_sample=False,
+            eos_token_id=[stop], pad_token_id=runner.info.pad_token_id,
+        )  # fmt: skip
+    want = [int(x) for x in out[0, len(ids) :]]
+    assert want[-1] == stop and len(want) <= 4
+    client = _client(served)
+    kw: dict[str, Any] = {"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 12}
+    kw["temperature"] = 0
+    got = client.completions.create(extra_body={"stop_token_ids": [stop]}, **kw)
+    assert got.choices[0].text == runner.decode(want[:-1])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage is not None and got.usage.completion_tokens == len(want)
+    held = client.completions.create(
+        extra_body={"stop_token_ids": [stop], "min_tokens": 12, "ignore_eos": True}, **kw
+    )
+    assert held.usage is not None and held.usage.completion_tokens == 12
+    resp = httpx.post(
+        served.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": [10**6]},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and "stop_token_ids names token" in resp.text
 
 
 def test_ignore_eos_generates_exactly_max_tokens(served: _Served) -> None:

@@ -419,6 +419,8 @@ def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int
             penalize(logits, i, g.params, g.request.token_ids or (), g.generated)
     young = [i for i, g in enumerate(gens) if len(g.generated) < g.params.min_tokens]
     mask_eos(logits, young, eos)
+    for i in young:  # a request's own stop tokens wait for `min_tokens` too
+        mask_eos(logits, [i], frozenset(gens[i].params.stop_token_ids))
     tokens = choose_tokens(logits, [g.params for g in gens], [g.generator for g in gens])
     if raw is not None:
         tops = [gens[i].params.logprobs or 0 for i in asked]

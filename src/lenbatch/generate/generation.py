@@ -167,7 +167,8 @@ class Generation:
     def add_token(self, token: int, eos_ids: frozenset[int]) -> Delta:
         """Append one generated token; returns the new text and, if it ended, why."""
         self.generated.append(token)
-        is_eos = token in eos_ids and not self.params.ignore_eos
+        p = self.params
+        is_eos = (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         ids = self.generated[:-1] if is_eos else self.generated
         text = self.tracker.push(ids)
         if self.tracker.stopped or is_eos:

@@ -118,6 +118,9 @@ class Prompts:
         for token, _ in params.logit_bias:
             if not 0 <= token < vocab:
                 raise BadInput(f"logit_bias names token {token}, outside [0, {vocab})")
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise BadInput(f"stop_token_ids names token {token}, outside [0, {vocab})")
         limit = self.generation.max_tokens_limit
         if limit is not None and params.max_tokens > limit:
             raise BadInput(f"max_tokens={params.max_tokens} exceeds this server's limit {limit}")

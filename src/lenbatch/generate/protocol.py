@@ -28,6 +28,7 @@ from lenbatch.serving.services import GenerationHandle
 __all__ = [
     "MAX_CHOICES",
     "MAX_STOP",
+    "MAX_STOP_TOKEN_IDS",
     "SEED_MAX",
     "SEED_MIN",
     "ChatMessage",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # `n`: each choice is a prompt of its own in the batch (no shared prefill)
 # Seeds are 64-bit signed integers, as in vLLM (torch.Generator takes no wider value).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -99,6 +101,14 @@ class CommonOptions(BaseModel):
         None, description="Token id (as a string) -> bias from -100 to 100, added to its logit."
     )
     user: str | None = None
+    stop_token_ids: list[int] | None = Field(
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that end the text as end-of-sequence does (as vLLM).",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the stop string that ended the text at its end (as vLLM)."
+    )
     return_tokens_as_token_ids: bool = Field(
         False,
         description="Name the tokens of `logprobs` `token_id:N` instead of their text "
@@ -166,6 +176,8 @@ class CommonOptions(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 presence_penalty=self.presence_penalty,
                 logit_bias=self._biases(),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as exc:
             raise BadInput(str(exc)) from None

@@ -146,13 +146,17 @@ class TextTracker:
 
     `push(ids)` takes all generated ids so far and returns the new text that is safe to show.
     Text that may be the start of a stop string, or an incomplete UTF-8 character, is held back
-    until it is decided. After a stop string is found, `stopped` is True and `text` ends before it.
+    until it is decided. After a stop string is found, `stopped` is True and `text` ends before it
+    (`keep_stop`: after it, as vLLM's `include_stop_str_in_output`).
     """
 
-    __slots__ = ("_decode", "_longest", "_stop", "emitted", "stopped", "text")
+    __slots__ = ("_decode", "_keep", "_longest", "_stop", "emitted", "stopped", "text")
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), keep_stop: bool = False
+    ) -> None:
         self._decode = decode
+        self._keep = keep_stop
         self._stop = tuple(stop)
         self._longest = max((len(s) for s in self._stop), default=0)
         self.text = ""  # the decided text (ends before a stop string once stopped)
@@ -166,9 +170,11 @@ class TextTracker:
         text = self._decode(ids)
         if self._stop:
             start = max(0, self.emitted - self._longest)
-            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self._stop)]
+            hits = [(i, n) for i, n in hits if i >= 0]
             if hits:
-                self.text = text[: min(hits)]
+                at, size = min(hits)
+                self.text = text[: at + size if self._keep else at]
                 self.stopped = True
                 return self._take(len(self.text))
         self.text = text

@@ -32,7 +32,7 @@ def open_generation(
 ) -> Generation:
     """The `Generation` of `request`, with its event queue and its (not yet admitted) ticket."""
     texts = token_texts_of(runner) if params.logprobs is not None else None
-    tracker = TextTracker(runner.decode, params.stop)
+    tracker = TextTracker(runner.decode, params.stop, params.include_stop_str_in_output)
     gen = Generation(request, params, tracker, timings, runner.device, texts)
     gen.sink = asyncio.Queue()
     request.handle = gen

@@ -143,6 +143,10 @@ class SamplingParams:
     negative), `frequency_penalty` and `presence_penalty` (OpenAI's: a token's logit less its
     count in the output so far times the first, less the second if it occurs at all), and
     `logit_bias` ((token id, bias) pairs added to the logits, OpenAI's -100 to 100).
+
+    As in vLLM: `stop_token_ids` end the text as end-of-sequence does (left out of it; chosen
+    no sooner than `min_tokens`, even with `ignore_eos`), and `include_stop_str_in_output`
+    keeps the stop string that ended the text at its end.
     """
 
     max_tokens: int = 16
@@ -157,6 +161,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
