@@ -284,15 +284,23 @@ def test_openai_completions_on_ray_equal_generate(llm_app: str, llama_runner: An
     ref = torch.log_softmax(logits[len(ids) - 1 : -1].float(), dim=-1)
     want_lp = [float(ref[i, t]) for i, t in enumerate(tokens)]
     assert lp.token_logprobs == pytest.approx(want_lp, abs=2e-4)
-    # echo: the prompt's text first; its log-probabilities need the model, not the ingress
+    # echo: the prompt's text first, and with logprobs its tokens' (from a replica's model)
     echoed = client.completions.create(
-        model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True
-    )
-    assert echoed.choices[0].text == PROMPTS[0] + _greedy_text(llama_runner, ids, 6)[1]
-    with pytest.raises(openai.BadRequestError, match="not served with --ray"):
-        client.completions.create(
-            model=model, prompt=PROMPTS[0], max_tokens=2, echo=True, logprobs=1
-        )
+        model=model,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).choices[0]
+    assert echoed.text == PROMPTS[0] + _greedy_text(llama_runner, ids, 6)[1]
+    assert echoed.logprobs is not None and echoed.logprobs.token_logprobs is not None
+    assert echoed.logprobs.tokens == [f"token_id:{t}" for t in ids + tokens]
+    prompt_ref = torch.log_softmax(logits[: len(ids) - 1].float(), dim=-1)
+    want_prompt = [float(prompt_ref[i, t]) for i, t in enumerate(ids[1:])]
+    assert echoed.logprobs.token_logprobs[0] is None
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx(want_prompt + want_lp, abs=2e-4)
     # The single server's validation and error shape, before anything reaches a replica.
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)

@@ -27,7 +27,6 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
-from lenbatch.core.errors import BadInput
 from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.scaleout.board import RoutingBoard
 from lenbatch.scaleout.calls import RelayedError, StreamCut
@@ -109,11 +108,19 @@ class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
         self.prompts.close()
 
     async def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
-        """Not here: the ingress holds the tokenizer, not the model."""
-        raise BadInput(
-            "echo with logprobs (a prompt's log-probabilities) is not served with --ray; "
-            "echo alone is"
-        )
+        """A checked prompt's log-probabilities (`echo`) from a replica of its length's group:
+        one forward of the prompt there (the ingress holds the tokenizer, not the model)."""
+        self.check_running()
+        group = self.calls.group(self.place([len(prompt)])[0])
+        cost = self.cost_of([len(prompt)])
+
+        async def attempt() -> list[TokenLogprob]:
+            out = await self.handle.prompt_logprobs.remote(prompt, top, group=group, cost=cost)
+            if "error" in out:
+                raise RelayedError(out["error"])
+            return list(out["logprobs"])
+
+        return await self.calls.send(attempt)
 
     def submit_all(
         self,

@@ -160,6 +160,14 @@ class LMReplica(ReplicaShell):
         await self.engine.start()
         log.info("replica %s: %s", self.replica_id, self.engine.describe())
 
+    async def prompt_logprobs(self, prompt: list[int], top: int, **_: Any) -> dict[str, Any]:
+        """`{"logprobs": [TokenLogprob, ...]}` of a checked `prompt` (for `echo`), from this
+        replica's model, or `{"error": ...}`."""
+        try:
+            return {"logprobs": await self.engine.prompt_logprobs(prompt, top)}
+        except LenbatchError as err:
+            return {"error": error_fields(err), "replica": self.replica_id}
+
     async def generate(
         self,
         prompt: list[int],
