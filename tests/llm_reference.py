@@ -32,3 +32,20 @@ def reference_greedy(runner: Any, prompt: list[int], max_new_tokens: int) -> lis
             pad_token_id=runner.info.pad_token_id,
         )
     return [int(x) for x in out[0, len(prompt) :]]
+
+
+def reference_tokens(runner: Any, prompt: list[int], n: int, **kw: Any) -> list[int]:
+    """Exactly `n` greedy tokens `model.generate()` produces for `prompt` alone (no stop at
+    end-of-sequence), with `generate`'s own options `kw` (penalties, biases, processors)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = runner.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=runner.info.pad_token_id,
+            **kw,
+        )
+    return [int(x) for x in out[0, len(prompt) :]]

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from tests.llm_reference import PROMPTS
+from tests.llm_reference import PROMPTS, reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_chat_logprobs_equal_transformers_streamed_or_not(served: tuple[Any, str
     out = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 6
-    ids = _greedy(runner, prompt, 6)
+    ids = reference_tokens(runner, prompt, 6)
     assert [c.token for c in content] == [_text(runner, i) for i in ids]
     assert all(c.bytes == list(c.token.encode()) for c in content)
     assert all(len(c.top_logprobs) == 2 for c in content)
@@ -166,21 +166,6 @@ def test_chat_logprobs_equal_transformers_streamed_or_not(served: tuple[Any, str
         for item in c.choices[0].logprobs.content or []
     ]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
-
-
-def _greedy(runner: Any, prompt: list[int], n: int) -> list[int]:
-    """`n` greedy tokens by transformers' `generate()` (no end-of-sequence stop)."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = runner.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=runner.info.pad_token_id,
-        )
-    return [int(x) for x in out[0, len(prompt) :]]
 
 
 def test_a_request_without_logprobs_in_the_same_batch_gets_none(served: tuple[Any, str]) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tests.llm_reference import PROMPTS
+from tests.llm_reference import PROMPTS, reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -42,22 +42,6 @@ class _OpenAIPenalties(LogitsProcessor):
             for tok, count in Counter(input_ids[row, self.prompt_len :].tolist()).items():
                 scores[row, tok] -= count * self.frequency + self.presence
         return scores
-
-
-def _generate(runner: Any, prompt: list[int], **kw: Any) -> list[int]:
-    """`N` greedy tokens of `prompt` alone by transformers' `generate()` with `kw`."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = runner.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=N,
-            min_new_tokens=N,
-            do_sample=False,
-            pad_token_id=runner.info.pad_token_id,
-            **kw,
-        )
-    return [int(x) for x in out[0, len(prompt) :]]
 
 
 def _served_ids(url: str, prompt: str, **body: Any) -> list[int]:
@@ -102,9 +86,11 @@ def test_penalties_equal_the_reference_token_for_token(
     changed = False
     for text in PROMPTS[:3]:
         prompt = llama_runner.tokenize([text])[0]
-        want = _generate(llama_runner, prompt, **_reference_kw(llama_runner, prompt, body))
+        want = reference_tokens(
+            llama_runner, prompt, N, **_reference_kw(llama_runner, prompt, body)
+        )
         assert _served_ids(tiny_llm_url, text, **body) == want, case
-        changed |= want != _generate(llama_runner, prompt)
+        changed |= want != reference_tokens(llama_runner, prompt, N)
     assert changed, f"{case} changed no prompt's tokens: the test cannot tell"
 
 
@@ -113,9 +99,10 @@ def test_logit_bias_equals_transformers_sequence_bias(llama_runner: Any, tiny_ll
     equals `generate(sequence_bias=...)` of those single-token sequences."""
     for text in PROMPTS[:3]:
         prompt = llama_runner.tokenize([text])[0]
-        first = _generate(llama_runner, prompt)[0]
+        first = reference_tokens(llama_runner, prompt, N)[0]
         bias = {first: -100.0, 7: 5.0}
-        want = _generate(llama_runner, prompt, sequence_bias={(t,): b for t, b in bias.items()})
+        sequence_bias = {(t,): b for t, b in bias.items()}
+        want = reference_tokens(llama_runner, prompt, N, sequence_bias=sequence_bias)
         assert want[0] != first
         got = _served_ids(tiny_llm_url, text, logit_bias={str(t): b for t, b in bias.items()})
         assert got == want

@@ -59,6 +59,20 @@ class _Core:
         return sum(j.rows for j in self.jobs)
 
 
+@dataclass
+class _Unit:
+    """A unit's figures (`generate.jobs.UnitResult`'s fields the cost models read)."""
+
+    kind: str
+    rows: int
+    padded: int
+    compute_s: float
+    tokens: int = 0
+    prefill_rows: int = 0
+    prefill_padded: int = 0
+    prefill_tokens: int = 0
+
+
 def test_row_cap_is_the_most_rows_whose_step_fits_the_inter_token_budget() -> None:
     """decode(r) = 30 ms + 1 ms x r must stay within 60 % of 150 ms: 60 rows, and never above
     max_running; capacity counts running and pending rows."""
@@ -73,14 +87,6 @@ def test_row_cap_shrinks_when_decode_steps_are_measured_slower() -> None:
     """The cap follows the online fit: steps measured 3x the prior's time cut it."""
     p = _policy()
     before = p.row_cap()
-
-    @dataclass
-    class _Unit:
-        kind: str
-        rows: int
-        padded: int
-        compute_s: float
-
     for rows in (1, 4, 8, 16, 32) * 20:
         p.costs.observe(_Unit("decode", rows, rows * 100, 3 * DECODE.seconds(rows, 100)))
     assert p.row_cap() < before / 2
@@ -153,37 +159,13 @@ def test_a_mixed_unit_teaches_the_prefill_model_what_the_chunk_added() -> None:
     """A mixed unit's time minus the decode model's step goes to the prefill model: chunks
     measured to add 2 ms + 0.2 ms per token beside a step are learnt as that, and the decode
     model is left as it was."""
-
-    @dataclass
-    class _Mixed:
-        kind: str
-        rows: int
-        padded: int
-        compute_s: float
-        prefill_rows: int
-        prefill_padded: int
-
     p = _policy()
     decode_before = p.costs.decode.seconds(16, 100)
     for cols in (16, 32, 64, 128, 200) * 30:
         step = DECODE.seconds(16, 100)
-        p.costs.observe(_Mixed("mixed", 16, 1600, step + 0.002 + 2e-4 * cols, 1, cols))
+        p.costs.observe(_Unit("mixed", 16, 1600, step + 0.002 + 2e-4 * cols, 0, 1, cols))
     assert p.costs.prefill.seconds(1, 100) == pytest.approx(0.002 + 0.02, rel=0.1)
     assert p.costs.decode.seconds(16, 100) == pytest.approx(decode_before)
-
-
-@dataclass
-class _Unit:
-    """A unit's figures (`generate.jobs.UnitResult`'s fields the cost models read)."""
-
-    kind: str
-    rows: int
-    padded: int
-    compute_s: float
-    tokens: int = 0
-    prefill_rows: int = 0
-    prefill_padded: int = 0
-    prefill_tokens: int = 0
 
 
 @pytest.mark.parametrize("kind", ["prefill", "mixed"])
@@ -283,17 +265,9 @@ def test_overdue_sheds_only_what_cannot_start_in_time() -> None:
 def test_drift_follows_measured_turns() -> None:
     """Loop turns measured twice the prediction move drift towards 2 and scale predictions."""
     p = _policy()
-
-    @dataclass
-    class _Unit:
-        kind: str = "decode"
-        rows: int = 4
-        padded: int = 400
-        compute_s: float = DECODE.seconds(4, 100)
-
     base = p.costs.decode_s(4)
     for _ in range(50):
-        p.costs.observe(_Unit(), 2 * DECODE.seconds(4, 100))
+        p.costs.observe(_Unit("decode", 4, 400, DECODE.seconds(4, 100)), 2 * DECODE.seconds(4, 100))
     assert 1.8 < p.costs.drift <= 2.0
     assert p.costs.decode_s(4) == pytest.approx(base * p.costs.drift, rel=1e-6)
 
