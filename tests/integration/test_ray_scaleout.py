@@ -361,6 +361,42 @@ def test_chat_and_streaming_on_ray(llm_app: str, llama_runner: Any) -> None:
     assert chunks[-1].usage.completion_tokens == len(tokens)
 
 
+def test_structured_outputs_on_ray(llm_app: str, llama_runner: Any) -> None:
+    """A constraint crosses to the replicas as its grammar (each builds its own matcher): the
+    constrained greedy texts equal transformers' generate() under llguidance's own mask; a
+    malformed one is refused at the ingress, 400."""
+    import jsonschema
+    import llguidance
+
+    from tests.integration.test_llm_structured import SCHEMA, _reference
+
+    client = _llm_client(llm_app)
+    model = client.models.list().data[0].id
+    several = [PROMPTS[4], PROMPTS[3]]
+    out = client.completions.create(
+        model=model,
+        prompt=several,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    )
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        SCHEMA, defaults={"whitespace_flexible": False}
+    )
+    for choice, prompt in zip(sorted(out.choices, key=lambda c: c.index), several, strict=True):
+        ref = _reference(llama_runner, llama_runner.tokenize([prompt])[0], grammar, 48)
+        assert choice.text == llama_runner.decode(ref)
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    bad = httpx.post(
+        f"{llm_app}/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(["}},
+        timeout=60,
+        trust_env=False,
+    )
+    assert bad.status_code == 400, bad.text
+    assert "invalid regex constraint" in bad.json()["error"]["message"]
+
+
 def test_prompts_land_on_the_replica_owning_their_length(llm_app: str) -> None:
     """Short and long prompts go to their group's replica (routing counters), every stream's
     call is counted finished (nothing left in flight), and each replica's engine admitted

@@ -102,6 +102,7 @@ def create_llm_app(
         longest = max(len(p) for p in prompts)
         default = min(engine.generation.default_max_tokens, engine.context_left(longest))
         params = body.choice_params(body.sampling(body.max_tokens or default))
+        await engine.check_constraint(params[0])
         seqs = engine.submit_all(
             [p for p in prompts for _ in params],
             params * len(prompts),
@@ -133,6 +134,7 @@ def create_llm_app(
         prompt = await engine.chat_prompt(messages)
         requested = body.max_completion_tokens or body.max_tokens
         params = body.choice_params(body.sampling(requested or engine.context_left(len(prompt))))
+        await engine.check_constraint(params[0])
         seqs = engine.submit_all(
             [prompt] * len(params),
             params,

@@ -408,16 +408,29 @@ class Decoder:
         return self.release_held()
 
 
+def _allows_more_than(allowed: torch.Tensor, eos: frozenset[int], stops: tuple[int, ...]) -> bool:
+    """True when `allowed` holds a token that is neither end-of-sequence nor a stop token."""
+    ends = sorted({t for t in (*eos, *stops) if t < allowed.shape[0]})
+    return int(allowed.sum()) > int(allowed[ends].sum()) if ends else bool(allowed.any())
+
+
 def choose_next(logits: torch.Tensor, gens: list[Generation], eos: frozenset[int]) -> list[int]:
-    """Next token of each row, after its penalties and logit biases; rows below their
-    `min_tokens` cannot end yet. A row whose request asked for log-probabilities gets them in
-    `Generation.step_logprob`, read from its raw logits (a copy taken before any of that)."""
+    """Next token of each row, after its penalties and logit biases, among the tokens its
+    grammar allows (structured outputs); rows below their `min_tokens` cannot end yet. A row
+    whose request asked for log-probabilities gets them in `Generation.step_logprob`, read
+    from its raw logits (a copy taken before any of that)."""
     asked = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
     raw = logits[asked] if asked else None  # indexing by a list copies the rows
     for i, g in enumerate(gens):
         if g.params.penalized:
             penalize(logits, i, g.params, g.request.token_ids or (), g.generated)
     young = [i for i, g in enumerate(gens) if len(g.generated) < g.params.min_tokens]
+    for i, g in enumerate(gens):
+        if g.matcher is not None:
+            allowed = g.matcher.allowed()
+            g.matcher.mask(logits[i], allowed)
+            if i in young and not _allows_more_than(allowed, eos, g.params.stop_token_ids):
+                young.remove(i)  # only the end may follow: the grammar outranks min_tokens
     mask_eos(logits, young, eos)
     for i in young:  # a request's own stop tokens wait for `min_tokens` too
         mask_eos(logits, [i], frozenset(gens[i].params.stop_token_ids))

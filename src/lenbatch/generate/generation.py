@@ -9,6 +9,7 @@ add up to the measured time to first token exactly.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from lenbatch.core.request import Request
 from lenbatch.generate.sampling import TextTracker, make_generator
+from lenbatch.generate.structured import Matcher
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams, TokenLogprob
 
@@ -27,6 +29,8 @@ __all__ = ["STAGES", "Generation", "Timings"]
 STAGES = ("tokenize", "queue", "schedule", "prefill", "first_token")
 
 _NAN = float("nan")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -106,6 +110,7 @@ class Generation:
         "finish_reason",
         "generated",
         "generator",
+        "matcher",
         "params",
         "request",
         "sink",
@@ -139,6 +144,9 @@ class Generation:
         # chosen token's (log-probability, top (id, log-probability)s) from `choose_next`.
         self.token_texts = token_texts
         self.step_logprob: tuple[float, list[tuple[int, float]]] | None = None
+        # Where `params.constraint` is set: the grammar's matcher (`generate.structured`),
+        # advanced by every token added.
+        self.matcher: Matcher | None = None
 
     @property
     def request_id(self) -> str:
@@ -169,6 +177,15 @@ class Generation:
         self.generated.append(token)
         p = self.params
         is_eos = (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids
+        m = self.matcher
+        if m is not None:
+            if not m.consume(token):
+                # The sampler masks what the grammar refuses, so this is a bug; the text before
+                # the token is all the caller gets, ended as by a stop (no text in the log).
+                log.warning("request %s: grammar refused token %d", self.request.id, token)
+                is_eos = True
+            elif m.stopped and token in eos_ids:
+                is_eos = True  # the grammar is complete: its end ends the text, ignore_eos or not
         ids = self.generated[:-1] if is_eos else self.generated
         text = self.tracker.push(ids)
         if self.tracker.stopped or is_eos:

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 from lenbatch.config import GenerationConfig
 from lenbatch.core.errors import BadInput, InputTooLong
+from lenbatch.generate.structured import grammars_for
 from lenbatch.runners.base import ModelInfo
-from lenbatch.serving.messages import SamplingParams
+from lenbatch.serving.messages import OutputConstraint, SamplingParams
 
 __all__ = ["PromptCalls", "PromptTokenizer", "Prompts"]
 
@@ -61,6 +62,10 @@ class Prompts:
         self.info = info
         self.generation = generation
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lenbatch-prompt")
+        # llguidance's view of the vocabulary takes ~0.5 s to build for 49k tokens: built now,
+        # beside start-up, rather than on the event loop by the first constrained request.
+        if getattr(getattr(tokenizer, "tokenizer", None), "is_fast", False):
+            self._pool.submit(grammars_for(tokenizer, info.vocab_size).tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -98,6 +103,12 @@ class Prompts:
         """The text of token ids (special tokens skipped), in a worker thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids)
+
+    async def check_constraint(self, constraint: OutputConstraint) -> None:
+        """Refuse (`BadInput`) a constraint this vocabulary cannot follow or whose token masks
+        cost too much (`Grammars.check`), in a worker thread."""
+        grammars = grammars_for(self.tokenizer, self.info.vocab_size)
+        await asyncio.get_running_loop().run_in_executor(self._pool, grammars.check, constraint)
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""
@@ -138,8 +149,9 @@ class Prompts:
 
 class PromptCalls:
     """The prompt calls of `GenerationService` (`prompt_ids`, `chat_prompt`,
-    `has_chat_template`, `context_left`), answered by the front-end's `prompts`: what the
-    single server's engine and the Ray ingress inherit alike."""
+    `has_chat_template`, `context_left`, `prompt_text`, `check_constraint`), answered by the
+    front-end's `prompts`: what the single server's engine and the Ray ingress inherit
+    alike."""
 
     prompts: Prompts
 
@@ -168,3 +180,9 @@ class PromptCalls:
         """The text of a prompt's token ids (special tokens skipped), off the event loop: what
         `echo` shows of a prompt given as token ids."""
         return await self.prompts.text(ids)
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Refuse (`BadInput`) `params`' constraint where the model cannot follow it or its
+        masks cost too much, off the event loop; nothing to check for free text."""
+        if params.constraint is not None:
+            await self.prompts.check_constraint(params.constraint)

@@ -20,6 +20,7 @@ from lenbatch.serving.messages import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
+    OutputConstraint,
     SamplingParams,
     TokenLogprob,
 )
@@ -35,7 +36,10 @@ __all__ = [
     "ChatRequest",
     "CommonOptions",
     "CompletionRequest",
+    "JsonSchemaFormat",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
     "chat_logprobs",
     "completion_logprobs",
     "envelope",
@@ -54,6 +58,64 @@ class StreamOptions(BaseModel):
     """OpenAI's `stream_options`."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named schema (`strict` is accepted; the
+    schema is always followed)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    # `schema` is OpenAI's name; pydantic's BaseModel has a method of that name.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema the text follows."
+    )
+    regex: str | None = Field(None, description="A regular expression the whole text matches.")
+    choice: list[str] | None = Field(None, description="The text is one of these strings.")
+    grammar: str | None = Field(None, description="A Lark grammar the text follows.")
+    json_object: bool | None = Field(None, description="The text is a JSON object.")
+    disable_any_whitespace: bool = Field(
+        False, description="JSON without whitespace between its tokens."
+    )
+
+    def constraint(self) -> OutputConstraint | None:
+        """The one constraint given, compiled; `BadInput` for none or several."""
+        from lenbatch.generate.structured import grammar_of
+
+        given = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
+        kinds = [k for k, v in given.items() if v is not None]
+        if len(kinds) != 1:
+            raise BadInput(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object; got {len(kinds)}"
+            )
+        return grammar_of(kinds[0], given[kinds[0]], compact=self.disable_any_whitespace)
 
 
 class CommonOptions(BaseModel):
@@ -114,6 +176,13 @@ class CommonOptions(BaseModel):
         description="Name the tokens of `logprobs` `token_id:N` instead of their text "
         "(as vLLM does).",
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: `json_object`, or `json_schema` with a schema to follow."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="vLLM's: the text follows a JSON schema, a regex, a choice or a grammar.",
+    )
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -157,6 +226,26 @@ class CommonOptions(BaseModel):
         log-probabilities (each endpoint's own fields say)."""
         return None
 
+    def constraint(self) -> OutputConstraint | None:
+        """The constraint `structured_outputs` or `response_format` puts on the text (not
+        both), compiled; None for free text. Raises `BadInput` for a malformed one."""
+        from lenbatch.generate.structured import grammar_of
+
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "text":
+            fmt = None
+        if fmt is not None and self.structured_outputs is not None:
+            raise BadInput("give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if fmt is None:
+            return None
+        if fmt.type == "json_object":
+            return grammar_of("json_object", None)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise BadInput("response_format of type json_schema needs json_schema.schema")
+        return grammar_of("json", fmt.json_schema.json_schema)
+
     def sampling(self, max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (max_tokens already defaulted)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -178,6 +267,7 @@ class CommonOptions(BaseModel):
                 logit_bias=self._biases(),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                constraint=self.constraint(),
             )
         except ValueError as exc:
             raise BadInput(str(exc)) from None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from lenbatch.core.request import Request
 from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.sampling import TextTracker
+from lenbatch.generate.structured import grammars_for
 from lenbatch.runners.base import CausalRunner
 from lenbatch.serving.ledger import Ticket
 from lenbatch.serving.messages import Delta, SamplingParams
@@ -30,10 +31,13 @@ def open_generation(
     runner: CausalRunner,
     timings: Timings,
 ) -> Generation:
-    """The `Generation` of `request`, with its event queue and its (not yet admitted) ticket."""
+    """The `Generation` of `request`, with its event queue, its (not yet admitted) ticket and,
+    where its text is constrained, its grammar matcher."""
     texts = token_texts_of(runner) if params.logprobs is not None else None
     tracker = TextTracker(runner.decode, params.stop, params.include_stop_str_in_output)
     gen = Generation(request, params, tracker, timings, runner.device, texts)
+    if params.constraint is not None:
+        gen.matcher = grammars_for(runner, runner.info.vocab_size).matcher(params.constraint)
     gen.sink = asyncio.Queue()
     request.handle = gen
 

@@ -22,6 +22,7 @@ __all__ = [
     "Delta",
     "Embedded",
     "Inputs",
+    "OutputConstraint",
     "PairInputs",
     "Predicted",
     "SamplingParams",
@@ -126,6 +127,16 @@ class Delta:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """What a generation's text must follow (`lenbatch.generate.structured`): its `kind`
+    (`json`, `json_object`, `regex`, `choice` or `grammar`) and llguidance's serialized
+    grammar of it. Plain text, so it travels to Ray replicas as it is."""
+
+    kind: str
+    grammar: str
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Decoding options of one generation request (OpenAI's names).
 
@@ -147,6 +158,8 @@ class SamplingParams:
     As in vLLM: `stop_token_ids` end the text as end-of-sequence does (left out of it; chosen
     no sooner than `min_tokens`, even with `ignore_eos`), and `include_stop_str_in_output`
     keeps the stop string that ended the text at its end.
+
+    `constraint`: the text follows it (structured outputs); None: free text.
     """
 
     max_tokens: int = 16
@@ -163,6 +176,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

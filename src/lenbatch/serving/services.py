@@ -190,6 +190,12 @@ class GenerationService(Service, Clocked, Protocol[H]):
         """The text of a prompt's token ids (special tokens skipped), off the event loop."""
         ...
 
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Refuse (`BadInput`) `params`' structured-output constraint where the model cannot
+        follow it or its token masks cost too much, off the event loop (the routes call it
+        before `submit_all`; free text passes)."""
+        ...
+
     async def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each token of a (checked) `prompt` with its log-probability given the tokens
         before it and its `top` most likely alternatives (the first token: None, no
