@@ -682,6 +682,12 @@ script_recipe(
     "--prompts", "24", "--tokens", "16",
 )  # fmt: skip
 script_recipe(
+    "llm-structured-vllm", "llm_structured_vllm.py",
+    "Structured outputs (a JSON schema, a choice, a regex) and free chat, lenbatch against "
+    "vLLM CPU float32 on the same GSM8K prompts (zen3-model1/structured-vllm.md).",
+    "--prompts", "16",
+)  # fmt: skip
+script_recipe(
     "llm-padded-prefill", "llm_padded_prefill.py",
     "A left-padded prefill job's forward, its padding left out of the products against run "
     "through them, lean float32 int4 (zen3-model1/padded-prefill.md).",

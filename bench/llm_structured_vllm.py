@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Structured outputs from lenbatch against vLLM's, on the same real prompts.
+
+    bench/run.py llm-structured-vllm
+    python bench/llm_structured_vllm.py --prompts 16 --out FILE
+
+Starts `lenbatch serve --model smollm2` (its defaults on this CPU, `--serve-args` added),
+then vLLM CPU (`vllm-allcores`: float32, the same GGUF weights dequantized to a transformers
+folder; its default structured-output backend), one at a time, and sends both the same greedy
+calls over GSM8K questions (the bundled `gsm8k_test.jsonl`), one at a time:
+
+* `json`: chat with OpenAI's `response_format` `json_schema` (an answer and its unit);
+* `choice`: completions with `structured_outputs.choice` (yes or no);
+* `regex`: completions with `structured_outputs.regex` (`The answer is N.`);
+* `free`: the `json` call's chat without a `response_format`, the baseline of time per token.
+
+It reports per server and kind: answers that follow their constraint (checked here with
+`jsonschema` and `re`, not by either server), those that ended by themselves (`stop`), texts
+identical to the other server's, mean completion tokens, and wall milliseconds per
+completion token (calls in sequence; prefill included, so compare kinds within a server and
+servers within a kind). Then every `json` and every `free` call again, all at once (one
+batch: what the token masks cost beside each other), with their output tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MAX_TOKENS = 96
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "number"},
+        "unit": {"type": "string", "maxLength": 24},
+    },
+    "required": ["answer", "unit"],
+    "additionalProperties": False,
+}
+CHOICES = ["yes", "no"]
+PATTERN = r"The answer is [0-9]{1,6}\."
+KINDS = ("json", "choice", "regex", "free")
+
+
+def questions(n: int) -> list[str]:
+    """`n` GSM8K questions from the bundled texts (the test split's first)."""
+    path = Path(str(resources.files("lenbatch") / "data" / "text")) / "gsm8k_test.jsonl"
+    rows = path.read_text(encoding="utf-8").splitlines()[:n]
+    return [json.loads(r)["question"] for r in rows]
+
+
+def call(url: str, model: str, kind: str, question: str) -> dict[str, Any]:
+    """One greedy call of `kind`: its text, finish reason, completion tokens and wall seconds."""
+    import httpx
+
+    common = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS}
+    if kind in ("json", "free"):
+        route = "chat/completions"
+        ask = f"{question}\nReply with JSON: the numeric answer and its unit."
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": ask}], **common}
+        if kind == "json":
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA},
+            }
+    else:
+        route = "completions"
+        tail = "Is the answer more than 50? Answer yes or no:" if kind == "choice" else ""
+        body = {"prompt": f"Question: {question}\n{tail}", **common}
+        body["structured_outputs"] = {"choice": CHOICES} if kind == "choice" else {"regex": PATTERN}
+    start = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/{route}", json=body, timeout=600)
+    wall = time.perf_counter() - start
+    resp.raise_for_status()
+    out = resp.json()
+    choice = out["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return {
+        "text": text or "",
+        "finish": choice["finish_reason"],
+        "tokens": out["usage"]["completion_tokens"],
+        "wall": wall,
+    }
+
+
+def follows(kind: str, text: str) -> bool:
+    """True when `text` follows `kind`'s constraint (free text always does)."""
+    if kind == "free":
+        return True
+    if kind == "choice":
+        return text in CHOICES
+    if kind == "regex":
+        return re.fullmatch(PATTERN, text) is not None
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def together(url: str, model: str, kind: str, texts: list[str]) -> dict[str, Any]:
+    """Every call of `kind` at once: the answers, and output tokens per wall second."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        runs = list(pool.map(lambda t: call(url, model, kind, t), texts))
+    wall = time.perf_counter() - start
+    return {"runs": runs, "tok_s": sum(r["tokens"] for r in runs) / wall, "wall": wall}
+
+
+def run_server(target: Any, texts: list[str]) -> dict[str, Any]:
+    """Start `target`, send every kind's calls (one warm-up call first), then the `json` and
+    `free` calls all at once; stop it."""
+    import httpx
+
+    from lenbatch.replay.process import ServerProcess, free_port
+
+    log = Path(tempfile.mkdtemp(prefix="structured-")) / f"{target.name}.log"
+    server = ServerProcess(target, free_port(), log)
+    try:
+        server.wait_ready()
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for kind in KINDS:  # each kind's first call pays its one-time costs here
+            call(server.url, model, kind, texts[0])
+        out: dict[str, Any] = {
+            kind: [call(server.url, model, kind, t) for t in texts] for kind in KINDS
+        }
+        out["together"] = {k: together(server.url, model, k, texts) for k in ("json", "free")}
+        return out
+    finally:
+        server.stop()
+
+
+def table(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Markdown rows: per kind, each server's figures."""
+    rows = [
+        "| kind | server | follow the constraint | ended by themselves | identical to the "
+        "other's | mean tokens | ms per token |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind in KINDS:
+        a, b = ours[kind], theirs[kind]
+        same = sum(x["text"] == y["text"] for x, y in zip(a, b, strict=True))
+        for name, runs in (("lenbatch", a), ("vLLM", b)):
+            n = len(runs)
+            ok = sum(follows(kind, r["text"]) for r in runs)
+            stopped = sum(r["finish"] == "stop" for r in runs)
+            tokens = sum(r["tokens"] for r in runs)
+            ms = 1000 * sum(r["wall"] for r in runs) / max(tokens, 1)
+            rows.append(
+                f"| {kind} | {name} | {ok}/{n} | {stopped}/{n} | {same}/{n} | "
+                f"{tokens / n:.1f} | {ms:.1f} |"
+            )
+    return rows
+
+
+def main() -> int:
+    """Run both servers and print (and with --out write) the table and the texts."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--serve-args", default="", help="more `lenbatch serve` flags")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+
+    from lenbatch.replay.targets import prepare_target, targets_for
+    from lenbatch.runners.hardware import processor_key
+
+    texts = questions(args.prompts)
+    more = shlex.split(args.serve_args)
+    ours_t, peer_t = targets_for(
+        ["bucketed"], ["vllm-allcores"], model="smollm2", max_batch=32, serve_args=more
+    )
+    peer_t = prepare_target(peer_t, model="smollm2", endpoint="completions", max_batch=32)
+    ours = run_server(ours_t, texts)
+    theirs = run_server(peer_t, texts)
+    batch_rows = [
+        "| kind, all calls at once | server | follow the constraint | identical to the "
+        "other's | output tok/s | wall s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for kind in ("json", "free"):
+        a, b = ours["together"][kind], theirs["together"][kind]
+        same = sum(x["text"] == y["text"] for x, y in zip(a["runs"], b["runs"], strict=True))
+        for name, r in (("lenbatch", a), ("vLLM", b)):
+            ok = sum(follows(kind, x["text"]) for x in r["runs"])
+            batch_rows.append(
+                f"| {kind} | {name} | {ok}/{len(texts)} | {same}/{len(texts)} | "
+                f"{r['tok_s']:.1f} | {r['wall']:.1f} |"
+            )
+    cmd = " ".join(["python bench/llm_structured_vllm.py", *sys.argv[1:]])
+    lines = [
+        "# Structured outputs: lenbatch against vLLM CPU, same prompts",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Processor: `{processor_key()}`; lenbatch `serve --model smollm2 {args.serve_args}` "
+        "(its defaults on this CPU), vLLM `vllm-allcores` (float32, the GGUF's weights "
+        f"dequantized, its default structured-output backend); {len(texts)} GSM8K questions, "
+        f"greedy, `max_tokens={MAX_TOKENS}`, calls in sequence. Constraints checked here with "
+        f"`jsonschema` and `re`: json = chat `response_format` `json_schema` {json.dumps(SCHEMA)}; "
+        f"choice = completions `structured_outputs.choice` {CHOICES}; regex = "
+        f"`structured_outputs.regex` `{PATTERN}`; free = the json call's chat unconstrained.",
+        "",
+        *table(ours, theirs),
+        "",
+        *batch_rows,
+        "",
+        "## First texts of each kind (lenbatch / vLLM)",
+        "",
+    ]
+    for kind in KINDS:
+        for i in range(min(3, len(texts))):
+            lines.append(
+                f"- {kind} {i}: `{ours[kind][i]['text'][:160]!r}` / "
+                f"`{theirs[kind][i]['text'][:160]!r}`"
+            )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
