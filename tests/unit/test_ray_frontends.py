@@ -111,7 +111,9 @@ class WordTokenizer:
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
         return FakeRunner().tokenize(texts, truncate)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         raise ValueError("no chat template")
 
 

@@ -34,6 +34,7 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
+from lenbatch.generate.tools import ToolCalls, call_id
 from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, unless_disconnected
 from lenbatch.serving.http_errors import error_response
@@ -130,8 +131,9 @@ def create_llm_app(
     ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
         arrival = accept(body, request)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await engine.chat_prompt(messages)
+        messages = [m.for_template() for m in body.messages]
+        tools, _ = body.tool_plan()  # a bad tool_choice is refused before any tokenizing
+        prompt = await engine.chat_prompt(messages, body.template_tools())
         requested = body.max_completion_tokens or body.max_tokens
         params = body.choice_params(body.sampling(requested or engine.context_left(len(prompt))))
         await engine.check_constraint(params[0])
@@ -142,7 +144,7 @@ def create_llm_app(
             timeout=x_request_timeout,
             priority=x_priority or 0,
         )
-        return await _respond(request, engine, seqs, body, served, chat=True)
+        return await _respond(request, engine, seqs, body, served, chat=True, tools=tools)
 
     if tokenizer is not None:
         add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted, served)
@@ -217,6 +219,7 @@ async def _respond(
     *,
     chat: bool,
     echoes: list[Echo] | None = None,
+    tools: ToolCalls | None = None,
 ) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + seqs[0].request_id
     created = int(time.time())
@@ -237,7 +240,7 @@ async def _respond(
                 engine.cancel(s)
             return Response(status_code=499)
         events = _sse(seqs, first, merged, rid, created, served, chat, include_usage,
-                      body.return_tokens_as_token_ids, body.n, echoes)  # fmt: skip
+                      body.return_tokens_as_token_ids, body.n, echoes, tools)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     done = await unless_disconnected(request, _collect(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
@@ -249,7 +252,10 @@ async def _respond(
     choices: list[dict[str, Any]] = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
         if chat:
-            msg = {"role": "assistant", "content": text}
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None and reason == "stop":  # complete: its calls, not its text
+                msg = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
+                reason = tools.finish_reason
             lp = chat_logprobs(logprobs[i], as_ids=as_ids) if asked else None
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         else:
@@ -303,10 +309,11 @@ async def _sse(
     as_ids: bool = False,
     n: int = 1,
     echoes: list[Echo] | None = None,
+    tools: ToolCalls | None = None,
 ) -> AsyncIterator[str]:
     """The response as server-sent events: the `first` delta, then the `rest`, `data: [DONE]`
     last. Errors after the first token arrive as an `error` event (the status line was
-    already sent)."""
+    already sent). With `tools`, a chat's text comes as tool calls (`_ToolStream`)."""
 
     def chunk(choices: list[Any]) -> dict[str, Any]:
         return envelope(rid, created, served, choices, chat=chat, chunk=True)
@@ -328,9 +335,11 @@ async def _sse(
             offsets[i] = sum(len(e.token) for e in head_lp or [])
             echo = {"index": i, "text": head, "logprobs": part, "finish_reason": None}
             yield obj_line(chunk([echo]))
+        streams = [_ToolStream(tools) for _ in seqs] if tools is not None else None
         async for i, d in deltas():
             if chat:
-                choice: dict[str, Any] = {"index": i, "delta": {"content": d.text}}
+                delta = {"content": d.text} if streams is None else streams[i].delta(d)
+                choice: dict[str, Any] = {"index": i, "delta": delta}
                 if d.logprobs is not None:
                     choice["logprobs"] = chat_logprobs(d.logprobs, as_ids=as_ids)
             else:
@@ -340,6 +349,8 @@ async def _sse(
                     offsets[i] += sum(len(e.token) for e in d.logprobs)
                 choice = {"index": i, "text": d.text, "logprobs": lp}
             choice["finish_reason"] = d.finish_reason
+            if streams is not None and d.finish_reason == "stop":
+                choice["finish_reason"] = streams[i].finish_reason
             obj = chunk([choice])
             if d.finish_reason is not None:
                 obj["lenbatch"] = {"index": i, "timings": seqs[i].timings_ms()}
@@ -351,3 +362,38 @@ async def _sse(
     except LenbatchError as err:
         yield obj_line(json.loads(bytes(error_response(err).body).decode()))
     yield "data: [DONE]\n\n"
+
+
+class _ToolStream:
+    """One chat choice's text streamed as tool calls: a named function's arguments as they
+    come (the first fragment with the call's id and name), `required`'s calls whole once
+    the array is complete (before that it cannot be split into calls); a text cut short by
+    `max_tokens` under `required` comes as content at its end."""
+
+    def __init__(self, tools: ToolCalls) -> None:
+        self.tools = tools
+        self.text = ""
+        self.started = False
+
+    @property
+    def finish_reason(self) -> str:
+        """The finish reason of a complete call."""
+        return self.tools.finish_reason
+
+    def delta(self, d: Delta) -> dict[str, Any]:
+        """The chunk's `delta` for `d`."""
+        self.text += d.text
+        if self.tools.mode == "named":
+            fn: dict[str, Any] = {"arguments": d.text}
+            call: dict[str, Any] = {"index": 0, "function": fn}
+            if not self.started:
+                self.started = True
+                call.update(id=call_id(), type="function")
+                fn["name"] = self.tools.name
+            return {"tool_calls": [call]}
+        if d.finish_reason is None:
+            return {}
+        if d.finish_reason != "stop":
+            return {"content": self.text}
+        calls = self.tools.calls(self.text)
+        return {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}

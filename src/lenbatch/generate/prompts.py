@@ -38,8 +38,10 @@ class PromptTokenizer(Protocol):
         """Token ids of each text, special tokens included."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of chat messages through the chat template."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat messages (and tools) through the chat template."""
         ...
 
     def decode(self, ids: list[int]) -> str:
@@ -91,13 +93,16 @@ class Prompts:
         ids: list[list[int]] = raw
         return ids
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat `messages` through the chat template, in a worker thread. Raises
-        `BadInput` when the model has no chat template."""
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat `messages` (and `tools`, where the template renders them)
+        through the chat template, in a worker thread. Raises `BadInput` when the model has
+        no chat template."""
         if not self.has_chat_template:
             raise BadInput(f"model {self.info.name} has no chat template; use /v1/completions")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.tokenizer.chat_prompt, messages)
+        return await loop.run_in_executor(self._pool, self.tokenizer.chat_prompt, messages, tools)
 
     async def text(self, ids: list[int]) -> str:
         """The text of token ids (special tokens skipped), in a worker thread."""
@@ -167,10 +172,12 @@ class PromptCalls:
         token arrays as given (checked against the vocabulary at submission)."""
         return await self.prompts.ids(raw)
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat `messages` through the tokenizer's chat template, in a worker
-        thread. Raises `BadInput` when the model has no chat template."""
-        return await self.prompts.chat(messages)
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat `messages` (and `tools`) through the tokenizer's chat template,
+        in a worker thread. Raises `BadInput` when the model has no chat template."""
+        return await self.prompts.chat(messages, tools)
 
     def context_left(self, prompt_len: int) -> int:
         """Most tokens a prompt of `prompt_len` tokens may generate (context and limit)."""

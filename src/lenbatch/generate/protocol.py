@@ -7,6 +7,7 @@ do) plus `ignore_eos` (as in vLLM); options this server cannot honour are named 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from lenbatch.core.errors import BadInput
+from lenbatch.generate.tools import ToolCalls, plan_tools
 from lenbatch.serving.messages import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -30,6 +32,7 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_STOP",
     "MAX_STOP_TOKEN_IDS",
+    "MAX_TOOLS",
     "SEED_MAX",
     "SEED_MIN",
     "ChatMessage",
@@ -37,9 +40,12 @@ __all__ = [
     "CommonOptions",
     "CompletionRequest",
     "JsonSchemaFormat",
+    "NamedToolChoice",
     "ResponseFormat",
     "StreamOptions",
     "StructuredOutputs",
+    "Tool",
+    "ToolFunction",
     "chat_logprobs",
     "completion_logprobs",
     "envelope",
@@ -49,6 +55,7 @@ __all__ = [
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128  # as OpenAI's limit
 MAX_CHOICES = 16  # `n`: each choice is a prompt of its own in the batch (no shared prefill)
 # Seeds are 64-bit signed integers, as in vLLM (torch.Generator takes no wider value).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -305,6 +312,39 @@ class CompletionRequest(CommonOptions):
         return super().unsupported()
 
 
+class ToolFunction(BaseModel):
+    """A function the model may call: its name, description and parameters' JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """OpenAI's chat `tools` item (functions only)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    """The function a named `tool_choice` names."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: the text is that function's arguments."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     """One chat message; `content` is text or a list of OpenAI text parts."""
 
@@ -312,6 +352,27 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # An assistant turn's tool calls, and a tool turn's answer to one (for chat templates
+    # that render them; others see the text only).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template takes it: role and text, and its tool fields
+        where given (a tool call's `arguments` parsed, as templates expect)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):  # else left as the text it is
+                        fn["arguments"] = json.loads(fn["arguments"])
+                calls.append({**call, "function": fn})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         """The message's text (text parts joined)."""
@@ -338,11 +399,59 @@ class ChatRequest(CommonOptions):
         description="With `logprobs`: this many most likely alternatives per output token.",
     )
 
+    tools: list[Tool] | None = Field(
+        None, max_length=MAX_TOOLS, description="Functions the model may call."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="`required` (one or more calls of the tools) or a named function (its "
+        "arguments); `auto`, the default with tools, needs a tool-call parser: refused.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call under `required`."
+    )
+
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
         return super().unsupported()
+
+    def tool_plan(self) -> tuple[ToolCalls | None, dict[str, Any] | None]:
+        """How this call's text becomes tool calls, and the schema it follows (None, None:
+        free text). Raises `BadInput` (see `generate.tools.plan_tools`)."""
+        functions: dict[str, dict[str, Any] | None] = {}
+        for tool in self.tools or []:
+            name = tool.function.name
+            if name in functions:
+                raise BadInput(f"two tools are named {name!r}")
+            functions[name] = tool.function.parameters
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        text_choice = choice if isinstance(choice, str) else None
+        if isinstance(choice, NamedToolChoice) and not self.tools:
+            raise BadInput("tool_choice names a function but no tools were given")
+        return plan_tools(functions, text_choice, named, self.parallel_tool_calls)
+
+    def constraint(self) -> OutputConstraint | None:
+        """The tools' schema where a call must be made, else the base class's; both at once
+        is a 400."""
+        from lenbatch.generate.structured import grammar_of
+
+        _, schema = self.tool_plan()
+        if schema is None:
+            return super().constraint()
+        if self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text"
+        ):
+            raise BadInput("give tools with tool_choice or a response format, not both")
+        return grammar_of("json", schema)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (None: no tools, or `tool_choice: none`)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def logprob_count(self) -> int | None:
         """`top_logprobs` (0 when left out) where `logprobs` is true, else None."""

@@ -137,8 +137,11 @@ class CausalRunner(Protocol):
         """True if the tokenizer can format chat messages."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of chat messages through the tokenizer's chat template."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat messages (and OpenAI tools, where the template renders them)
+        through the tokenizer's chat template."""
         ...
 
     def new_cache(self) -> Any:

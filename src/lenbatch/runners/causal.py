@@ -283,10 +283,13 @@ class CausalLMRunner:
         the prompt, which the continuation follows, survives (`TextTokenizer`, tail side)."""
         return self.text.tokenize(texts, truncate)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a chat rendered with the tokenizer's chat template, ready for the
-        assistant's turn. Raises ValueError when the tokenizer has no chat template."""
-        return self.text.chat_prompt(messages)
+        assistant's turn (with `tools` where the template renders them). Raises ValueError
+        when the tokenizer has no chat template."""
+        return self.text.chat_prompt(messages, tools)
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, special tokens skipped."""

@@ -156,13 +156,16 @@ class TextTokenizer:
                     out.token_type_ids[i] = redone.token_type_ids[k]
         return out
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a chat rendered with the tokenizer's chat template, ready for the
-        assistant's turn. Raises ValueError when the tokenizer has no chat template."""
+        assistant's turn, with `tools` (OpenAI's) where the template renders them. Raises
+        ValueError when the tokenizer has no chat template."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

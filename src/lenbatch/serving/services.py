@@ -177,9 +177,12 @@ class GenerationService(Service, Clocked, Protocol[H]):
         token arrays as given. Raises `BadInput` for an empty prompt."""
         ...
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat `messages` through the model's chat template, off the event loop.
-        Raises `BadInput` when the model has no chat template."""
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat `messages` (and OpenAI `tools`, where the template renders
+        them) through the model's chat template, off the event loop. Raises `BadInput` when
+        the model has no chat template."""
         ...
 
     def context_left(self, prompt_len: int) -> int:
