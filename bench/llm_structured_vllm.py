@@ -12,19 +12,23 @@ calls over GSM8K questions (the bundled `gsm8k_test.jsonl`), one at a time:
 * `json`: chat with OpenAI's `response_format` `json_schema` (an answer and its unit);
 * `choice`: completions with `structured_outputs.choice` (yes or no);
 * `regex`: completions with `structured_outputs.regex` (`The answer is N.`);
+* `tool`: the `json` call's chat with `tools` and `tool_choice` naming `give_answer`;
+* `tools`: the same with `tool_choice: required` (two tools);
 * `free`: the `json` call's chat without a `response_format`, the baseline of time per token.
 
 It reports per server and kind: answers that follow their constraint (checked here with
-`jsonschema` and `re`, not by either server), those that ended by themselves (`stop`), texts
-identical to the other server's, mean completion tokens, and wall milliseconds per
-completion token (calls in sequence; prefill included, so compare kinds within a server and
-servers within a kind). Then every `json` and every `free` call again, all at once (one
-batch: what the token masks cost beside each other), with their output tokens per second.
+`jsonschema` and `re`, not by either server), those that ended by themselves (`stop`, or
+`tool_calls`), texts identical to the other server's, mean completion tokens, and wall
+milliseconds per completion token (calls in sequence; prefill included, so compare kinds
+within a server and servers within a kind). Then every `json` and every `free` call again,
+all at once (one batch: what the token masks cost beside each other), with their output
+tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -51,7 +55,19 @@ SCHEMA: dict[str, Any] = {
 }
 CHOICES = ["yes", "no"]
 PATTERN = r"The answer is [0-9]{1,6}\."
-KINDS = ("json", "choice", "regex", "free")
+UNIT_TOOL = {
+    "type": "object",
+    "properties": {"unit": {"type": "string", "maxLength": 24}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "give_answer", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "ask_unit", "parameters": UNIT_TOOL}},
+]
+TOOL_PARAMS = {"give_answer": SCHEMA, "ask_unit": UNIT_TOOL}
+KINDS = ("json", "choice", "regex", "tool", "tools", "free")
+PEER_ARGS = "--enable-auto-tool-choice --tool-call-parser pythonic"
 
 
 def questions(n: int) -> list[str]:
@@ -66,7 +82,7 @@ def call(url: str, model: str, kind: str, question: str) -> dict[str, Any]:
     import httpx
 
     common = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS}
-    if kind in ("json", "free"):
+    if kind in ("json", "free", "tool", "tools"):
         route = "chat/completions"
         ask = f"{question}\nReply with JSON: the numeric answer and its unit."
         body: dict[str, Any] = {"messages": [{"role": "user", "content": ask}], **common}
@@ -75,6 +91,13 @@ def call(url: str, model: str, kind: str, question: str) -> dict[str, Any]:
                 "type": "json_schema",
                 "json_schema": {"name": "answer", "schema": SCHEMA},
             }
+        elif kind in ("tool", "tools"):
+            body["tools"] = TOOLS
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": "give_answer"}}
+                if kind == "tool"
+                else "required"
+            )
     else:
         route = "completions"
         tail = "Is the answer more than 50? Answer yes or no:" if kind == "choice" else ""
@@ -83,10 +106,17 @@ def call(url: str, model: str, kind: str, question: str) -> dict[str, Any]:
     start = time.perf_counter()
     resp = httpx.post(f"{url}/v1/{route}", json=body, timeout=600)
     wall = time.perf_counter() - start
-    resp.raise_for_status()
+    if resp.status_code != 200:  # counted as not following, its status kept in the text
+        return {"text": f"<{resp.status_code}: {resp.text[:120]}>", "finish": "error",
+                "tokens": 0, "wall": wall}  # fmt: skip
     out = resp.json()
     choice = out["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
+    calls = (choice.get("message") or {}).get("tool_calls")
+    if calls:  # the calls, as comparable text: [[name, arguments parsed], ...]
+        text = json.dumps(
+            [[c["function"]["name"], json.loads(c["function"]["arguments"])] for c in calls]
+        )
     return {
         "text": text or "",
         "finish": choice["finish_reason"],
@@ -99,6 +129,16 @@ def follows(kind: str, text: str) -> bool:
     """True when `text` follows `kind`'s constraint (free text always does)."""
     if kind == "free":
         return True
+    if kind in ("tool", "tools"):
+        import jsonschema
+
+        try:
+            calls = json.loads(text)
+            for name, args in calls:
+                jsonschema.validate(args, TOOL_PARAMS[name])
+        except (ValueError, TypeError, KeyError, jsonschema.ValidationError):
+            return False
+        return bool(calls) and (kind == "tools" or calls[0][0] == "give_answer")
     if kind == "choice":
         return text in CHOICES
     if kind == "regex":
@@ -159,7 +199,7 @@ def table(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
         for name, runs in (("lenbatch", a), ("vLLM", b)):
             n = len(runs)
             ok = sum(follows(kind, r["text"]) for r in runs)
-            stopped = sum(r["finish"] == "stop" for r in runs)
+            stopped = sum(r["finish"] in ("stop", "tool_calls") for r in runs)
             tokens = sum(r["tokens"] for r in runs)
             ms = 1000 * sum(r["wall"] for r in runs) / max(tokens, 1)
             rows.append(
@@ -174,6 +214,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--serve-args", default="", help="more `lenbatch serve` flags")
+    p.add_argument(
+        "--peer-args",
+        default=PEER_ARGS,
+        help=f"more `vllm serve` flags (default {PEER_ARGS!r}: vLLM takes tool_choice "
+        "required or named only with a tool-call parser set; pythonic needs no special "
+        "tokens in the vocabulary)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -186,6 +233,7 @@ def main() -> int:
         ["bucketed"], ["vllm-allcores"], model="smollm2", max_batch=32, serve_args=more
     )
     peer_t = prepare_target(peer_t, model="smollm2", endpoint="completions", max_batch=32)
+    peer_t = dataclasses.replace(peer_t, argv=(*peer_t.argv, *shlex.split(args.peer_args)))
     ours = run_server(ours_t, texts)
     theirs = run_server(peer_t, texts)
     batch_rows = [
@@ -209,11 +257,15 @@ def main() -> int:
         f"Command: `{cmd}`  ",
         f"Processor: `{processor_key()}`; lenbatch `serve --model smollm2 {args.serve_args}` "
         "(its defaults on this CPU), vLLM `vllm-allcores` (float32, the GGUF's weights "
-        f"dequantized, its default structured-output backend); {len(texts)} GSM8K questions, "
+        f"dequantized, its default structured-output backend, `{args.peer_args}`); "
+        f"{len(texts)} GSM8K questions, "
         f"greedy, `max_tokens={MAX_TOKENS}`, calls in sequence. Constraints checked here with "
         f"`jsonschema` and `re`: json = chat `response_format` `json_schema` {json.dumps(SCHEMA)}; "
         f"choice = completions `structured_outputs.choice` {CHOICES}; regex = "
-        f"`structured_outputs.regex` `{PATTERN}`; free = the json call's chat unconstrained.",
+        f"`structured_outputs.regex` `{PATTERN}`; tool = the json call's chat with `tools` "
+        f"(give_answer: the json schema; ask_unit: {json.dumps(UNIT_TOOL)}) and `tool_choice` "
+        "naming give_answer; tools = the same with `tool_choice: required` (calls compared as "
+        "names and parsed arguments); free = the json call's chat unconstrained.",
         "",
         *table(ours, theirs),
         "",

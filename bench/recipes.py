@@ -683,8 +683,8 @@ script_recipe(
 )  # fmt: skip
 script_recipe(
     "llm-structured-vllm", "llm_structured_vllm.py",
-    "Structured outputs (a JSON schema, a choice, a regex) and free chat, lenbatch against "
-    "vLLM CPU float32 on the same GSM8K prompts (zen3-model1/structured-vllm.md).",
+    "Structured outputs (a JSON schema, a choice, a regex, tool calls) and free chat, lenbatch "
+    "against vLLM CPU float32 on the same GSM8K prompts (zen3-model1/structured-vllm.md).",
     "--prompts", "16",
 )  # fmt: skip
 script_recipe(

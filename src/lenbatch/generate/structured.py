@@ -22,6 +22,7 @@ import json
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,8 @@ llama.cpp's GBNF)."""
 
 MAX_CONSTRAINT_CHARS = 100_000
 """Longest schema, pattern, grammar or list of choices taken (as JSON text), in characters."""
+
+_STARTS = 64  # grammars whose start a `Grammars` keeps
 
 MAX_MASK_MS = 20.0
 """Most milliseconds a constraint's first token mask may take to compute (measured at
@@ -155,6 +158,10 @@ class Grammars:
         self.vocab = vocab
         self._lock = threading.Lock()
         self._ll: Any = None
+        # Recent grammars' matchers at their start, copied for each generation: an app tends
+        # to send the same schema with every call, and a copy skips building its grammar.
+        self._starts: OrderedDict[str, Any] = OrderedDict()
+        self._starts_lock = threading.Lock()
 
     def tokenizer(self) -> Any:
         """The llguidance tokenizer (built on first use)."""
@@ -189,14 +196,26 @@ class Grammars:
             raise BadInput(f"invalid {constraint.kind} constraint: {_short(matcher.error)}")
 
     def matcher(self, constraint: OutputConstraint) -> Matcher:
-        """A fresh matcher at the start of `constraint`'s grammar."""
+        """A fresh matcher at the start of `constraint`'s grammar (a copy of the last one
+        built for the same grammar, where one of the last `_STARTS` is kept)."""
         import llguidance
 
+        key = constraint.grammar
+        with self._starts_lock:
+            start = self._starts.get(key)
+            if start is not None:
+                self._starts.move_to_end(key)
+        if start is not None:
+            return Matcher(start.deep_copy(), self.vocab)
         m = llguidance.LLMatcher(
             self.tokenizer(), constraint.grammar, log_level=0, limits=_limits()
         )
         if m.is_error():
             raise BadInput(f"invalid {constraint.kind} constraint: {_short(m.get_error())}")
+        with self._starts_lock:
+            self._starts[key] = m.deep_copy()
+            while len(self._starts) > _STARTS:
+                self._starts.popitem(last=False)
         return Matcher(m, self.vocab)
 
 
