@@ -28,14 +28,16 @@ import shlex
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TOP = 5
+T = TypeVar("T")
 
 
 def prompts(n: int) -> list[str]:
@@ -93,20 +95,40 @@ def compare(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], skip: int)
     }
 
 
-def run_server(target: Any, texts: list[str], tokens: int) -> dict[str, list[Any]]:
-    """Start `target`, collect, stop it."""
+def served(target: Any, work: Callable[[str, str], T]) -> T:
+    """Start `target`, run `work(url, served model name)`, stop it (the bench scripts that
+    send two servers the same calls share this)."""
+    import httpx
+
     from lenbatch.replay.process import ServerProcess, free_port
 
-    log = Path(tempfile.mkdtemp(prefix="logprobs-")) / f"{target.name}.log"
+    log = Path(tempfile.mkdtemp(prefix="vllm-pair-")) / f"{target.name}.log"
     server = ServerProcess(target, free_port(), log)
     try:
         server.wait_ready()
-        import httpx
-
         model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        return collect(server.url, model, texts, tokens)
+        return work(server.url, model)
     finally:
         server.stop()
+
+
+def smollm2_pair(serve_args: str) -> tuple[Any, Any]:
+    """(lenbatch `serve --model smollm2` with `serve_args`, vLLM `vllm-allcores`), ready."""
+    from lenbatch.replay.targets import prepare_target, targets_for
+
+    ours, peer = targets_for(
+        ["bucketed"], ["vllm-allcores"], model="smollm2", max_batch=32,
+        serve_args=shlex.split(serve_args),
+    )  # fmt: skip
+    return ours, prepare_target(peer, model="smollm2", endpoint="completions", max_batch=32)
+
+
+def emit(text: str, out: Path | None) -> None:
+    """Print a report, and write it to `out` where given."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
 
 
 def main() -> int:
@@ -118,17 +140,12 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
-    from lenbatch.replay.targets import prepare_target, targets_for
     from lenbatch.runners.hardware import processor_key
 
     texts = prompts(args.prompts)
-    more = shlex.split(args.serve_args)
-    ours_t, peer_t = targets_for(
-        ["bucketed"], ["vllm-allcores"], model="smollm2", max_batch=32, serve_args=more
-    )
-    peer_t = prepare_target(peer_t, model="smollm2", endpoint="completions", max_batch=32)
-    ours = run_server(ours_t, texts, args.tokens)
-    theirs = run_server(peer_t, texts, args.tokens)
+    ours_t, peer_t = smollm2_pair(args.serve_args)
+    ours = served(ours_t, lambda url, model: collect(url, model, texts, args.tokens))
+    theirs = served(peer_t, lambda url, model: collect(url, model, texts, args.tokens))
     rows = [
         ("generated tokens", compare(ours["gen"], theirs["gen"], 0)),
         ("echoed prompt tokens", compare(ours["echo"], theirs["echo"], 1)),
@@ -152,11 +169,7 @@ def main() -> int:
             f"| {name} | {r['sequences']} | {r['identical']} | {r['positions']} | "
             f"{r['mean_abs_diff']:.2e} | {r['max_abs_diff']:.2e} | {r['same_top5']:.1%} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+    emit("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -34,14 +34,16 @@ import os
 import re
 import shlex
 import sys
-import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from llm_logprobs_vllm import emit, served, smollm2_pair
+from llm_logprobs_vllm import prompts as questions
 
 MAX_TOKENS = 96
 SCHEMA: dict[str, Any] = {
@@ -68,13 +70,6 @@ TOOLS = [
 TOOL_PARAMS = {"give_answer": SCHEMA, "ask_unit": UNIT_TOOL}
 KINDS = ("json", "choice", "regex", "tool", "tools", "free")
 PEER_ARGS = "--enable-auto-tool-choice --tool-call-parser pythonic"
-
-
-def questions(n: int) -> list[str]:
-    """`n` GSM8K questions from the bundled texts (the test split's first)."""
-    path = Path(str(resources.files("lenbatch") / "data" / "text")) / "gsm8k_test.jsonl"
-    rows = path.read_text(encoding="utf-8").splitlines()[:n]
-    return [json.loads(r)["question"] for r in rows]
 
 
 def call(url: str, model: str, kind: str, question: str) -> dict[str, Any]:
@@ -163,27 +158,14 @@ def together(url: str, model: str, kind: str, texts: list[str]) -> dict[str, Any
     return {"runs": runs, "tok_s": sum(r["tokens"] for r in runs) / wall, "wall": wall}
 
 
-def run_server(target: Any, texts: list[str]) -> dict[str, Any]:
-    """Start `target`, send every kind's calls (one warm-up call first), then the `json` and
-    `free` calls all at once; stop it."""
-    import httpx
-
-    from lenbatch.replay.process import ServerProcess, free_port
-
-    log = Path(tempfile.mkdtemp(prefix="structured-")) / f"{target.name}.log"
-    server = ServerProcess(target, free_port(), log)
-    try:
-        server.wait_ready()
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        for kind in KINDS:  # each kind's first call pays its one-time costs here
-            call(server.url, model, kind, texts[0])
-        out: dict[str, Any] = {
-            kind: [call(server.url, model, kind, t) for t in texts] for kind in KINDS
-        }
-        out["together"] = {k: together(server.url, model, k, texts) for k in ("json", "free")}
-        return out
-    finally:
-        server.stop()
+def run_all(url: str, model: str, texts: list[str]) -> dict[str, Any]:
+    """Every kind's calls in sequence (one warm-up call of each first), then the `json` and
+    `free` calls all at once."""
+    for kind in KINDS:  # each kind's first call pays its one-time costs here
+        call(url, model, kind, texts[0])
+    out: dict[str, Any] = {kind: [call(url, model, kind, t) for t in texts] for kind in KINDS}
+    out["together"] = {k: together(url, model, k, texts) for k in ("json", "free")}
+    return out
 
 
 def table(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
@@ -224,18 +206,13 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
-    from lenbatch.replay.targets import prepare_target, targets_for
     from lenbatch.runners.hardware import processor_key
 
     texts = questions(args.prompts)
-    more = shlex.split(args.serve_args)
-    ours_t, peer_t = targets_for(
-        ["bucketed"], ["vllm-allcores"], model="smollm2", max_batch=32, serve_args=more
-    )
-    peer_t = prepare_target(peer_t, model="smollm2", endpoint="completions", max_batch=32)
+    ours_t, peer_t = smollm2_pair(args.serve_args)
     peer_t = dataclasses.replace(peer_t, argv=(*peer_t.argv, *shlex.split(args.peer_args)))
-    ours = run_server(ours_t, texts)
-    theirs = run_server(peer_t, texts)
+    ours = served(ours_t, lambda url, model: run_all(url, model, texts))
+    theirs = served(peer_t, lambda url, model: run_all(url, model, texts))
     batch_rows = [
         "| kind, all calls at once | server | follow the constraint | identical to the "
         "other's | output tok/s | wall s |",
@@ -280,11 +257,7 @@ def main() -> int:
                 f"- {kind} {i}: `{ours[kind][i]['text'][:160]!r}` / "
                 f"`{theirs[kind][i]['text'][:160]!r}`"
             )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+    emit("\n".join(lines) + "\n", args.out)
     return 0
 
 

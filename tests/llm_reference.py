@@ -19,8 +19,9 @@ PROMPTS = [
 ]
 
 
-def reference_greedy(runner: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens `model.generate()` produces for `prompt` alone (stops at EOS)."""
+def reference_greedy(runner: Any, prompt: list[int], max_new_tokens: int, **kw: Any) -> list[int]:
+    """Greedy tokens `model.generate()` produces for `prompt` alone (stops at EOS), with
+    `generate`'s own options `kw` (an `eos_token_id`, logits processors)."""
     model = runner.model
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -30,6 +31,7 @@ def reference_greedy(runner: Any, prompt: list[int], max_new_tokens: int) -> lis
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=runner.info.pad_token_id,
+            **kw,
         )
     return [int(x) for x in out[0, len(prompt) :]]
 

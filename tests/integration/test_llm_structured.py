@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tests.llm_reference import PROMPTS, reference_tokens
+from tests.llm_reference import PROMPTS, reference_greedy, reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -68,18 +68,13 @@ def _reference(runner: Any, prompt: list[int], grammar: str, n: int) -> list[int
     vocab = runner.info.vocab_size
     tok = llguidance.hf.from_tokenizer(runner.tokenizer, vocab)
     processor = _Guided(llguidance.LLMatcher(tok, grammar), len(prompt), vocab)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = runner.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=runner.info.pad_token_id,
-            eos_token_id=tok.eos_token,
-            logits_processor=LogitsProcessorList([processor]),
-        )
-    return [int(x) for x in out[0, len(prompt) :]]
+    return reference_greedy(
+        runner,
+        prompt,
+        n,
+        eos_token_id=tok.eos_token,
+        logits_processor=LogitsProcessorList([processor]),
+    )
 
 
 def _ids(choice: Any) -> list[int]:
