@@ -688,6 +688,13 @@ script_recipe(
     "--prompts", "16",
 )  # fmt: skip
 script_recipe(
+    "llm-prefix-vllm", "llm_prefix_vllm.py",
+    "Chats sharing a long few-shot system prompt: lenbatch with and without its prefix cache "
+    "against vLLM CPU float32 (prefix caching on), TTFT in sequence and in a burst "
+    "(zen3-model1/prefix-vllm.md).",
+    "--questions", "16", "--shots", "8",
+)  # fmt: skip
+script_recipe(
     "llm-padded-prefill", "llm_padded_prefill.py",
     "A left-padded prefill job's forward, its padding left out of the products against run "
     "through them, lean float32 int4 (zen3-model1/padded-prefill.md).",

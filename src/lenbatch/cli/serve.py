@@ -91,6 +91,12 @@ def register(sub: Any) -> None:
         help="continuous: token budget per step; longer prefills are chunked (default 256)",
     )
     g.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        help="most MiB of prompt prefixes' keys and values kept for prompts that start the "
+        "same way (a shared system prompt prefills once); 0: off (default 512)",
+    )
+    g.add_argument(
         "--compile",
         action="store_true",
         default=None,
@@ -233,6 +239,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "mode": args.decode_mode,
             "max_running": args.max_running,
             "step_tokens": args.step_tokens,
+            "prefix_cache_mb": args.prefix_cache_mb,
             "compile": args.compile,
         },
         "server": {

@@ -135,6 +135,9 @@ class GenerationConfig(BaseModel):
     step_tokens: int = Field(256, ge=1)
     """continuous: token budget of one step; a prefill chunk gets it minus the running rows
     (twice it while at most 4 rows decode: few streams wait on a bigger chunk)."""
+    prefix_cache_mb: int = Field(512, ge=0)
+    """Most MiB of prompt prefixes' keys and values kept for prompts that start the same way
+    (`generate.prefixcache`); 0 turns prefix caching off. vLLM's is on by default too."""
     default_max_tokens: int = Field(16, ge=1)
     """`max_tokens` of a completion that does not say (OpenAI's default is 16)."""
     max_tokens_limit: int | None = Field(None, ge=1)

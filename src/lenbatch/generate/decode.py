@@ -16,6 +16,8 @@ samples the next; finished and cancelled rows are then removed from the batch an
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -26,6 +28,7 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
+from lenbatch.generate.prefixcache import PrefixCache
 from lenbatch.generate.sampling import choose_tokens, mask_eos, penalize, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
@@ -35,6 +38,8 @@ __all__ = ["Decoder", "choose_next"]
 
 # Decode steps a new running batch's buffers take room for at once (columns after its window).
 _RESERVED_STEPS = 256
+
+log = logging.getLogger(__name__)
 
 
 class Decoder:
@@ -47,8 +52,12 @@ class Decoder:
         release_on_merge: bool,
         shapes: FixedShapes | None = None,
         max_rows: int = 0,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.runner = runner
+        # Keys and values of prompt prefixes already prefilled (None: every prompt prefills
+        # from its first token).
+        self.prefixes = prefixes
         # The most rows the running batch may come to hold (the engine's running cap; 0:
         # unknown): a new running batch's buffers take that many rows at once.
         self.max_rows = max_rows
@@ -148,9 +157,62 @@ class Decoder:
             position_ids=True,
         )
         cache = self.runner.new_cache()
-        return PrefillJob(
+        job = PrefillJob(
             lane, gens, batch, cache, releases=releases, max_cols=max_cols, alone=alone
         )
+        self.match_prefixes(job)
+        return job
+
+    def match_prefixes(self, job: PrefillJob) -> None:
+        """Start `job` past the prompt columns the prefix cache holds for every row (a
+        left-padded row's cached prefix ends at its start plus the match; the job starts at
+        the earliest such end). Only the lookup runs here; `_seed` copies in the worker."""
+        if self.prefixes is None:
+            return
+        b = job.batch
+        starts = [b.width - n for n in b.lengths]
+        matches = [self.prefixes.match(b.input_ids[i, s:].tolist()) for i, s in enumerate(starts)]
+        first = min(s + m.tokens for s, m in zip(starts, matches, strict=True))
+        if all(first <= s for s in starts):
+            first = 0  # nothing cached for some row: it would gain nothing
+        else:
+            job.first_col = job.done_cols = first
+            job.seed = (self.prefixes, matches)
+        fresh = [(g, s) for g, s in zip(job.gens, starts, strict=True) if not g.generated]
+        for g, s in fresh:  # (a preempted row's prompt was counted when it first ran)
+            g.cached_tokens = max(0, first - s)
+        self.prefixes.count(
+            len(fresh), sum(b.width - s for _, s in fresh), sum(g.cached_tokens for g, _ in fresh)
+        )
+
+    def _seed(self, job: PrefillJob) -> None:
+        """Copy `job`'s cached prefixes into its empty cache (its first chunk is next). A
+        block dropped since the lookup moves the job's start back to what is left."""
+        prefixes, matches = job.seed
+        job.seed = None
+        b = job.batch
+        starts = [b.width - n for n in b.lengths]
+        cols = prefixes.seed(job.cache, matches, starts, job.first_col)
+        if cols != job.first_col:
+            job.first_col = job.done_cols = cols
+            for g, s in zip(job.gens, starts, strict=True):
+                if not g.generated:
+                    g.cached_tokens = max(0, cols - s)
+
+    def _store_prefixes(self, job: PrefillJob) -> None:
+        """Keep the whole blocks of `job`'s prompts (its prefill just ended) that the prefix
+        cache lacks. A cache that keeps no whole prefix (sliding-window layers, a compiled
+        shape's static cache) turns the prefix cache off, once, with a line in the log."""
+        if self.prefixes is None:
+            return
+        b = job.batch
+        starts = [b.width - n for n in b.lengths]
+        rows = [b.input_ids[i, s:].tolist() for i, s in enumerate(starts)]
+        try:
+            self.prefixes.store(job.cache, rows, starts)
+        except (ValueError, AttributeError, TypeError, IndexError, RuntimeError) as e:
+            log.warning("prefix cache off: this model's KV cache cannot be reused (%s)", e)
+            self.prefixes = None
 
     # ------------------------------------------------------------------ units
 
@@ -159,6 +221,8 @@ class Decoder:
         `job` is the unit's `index`-th chunk."""
         if index >= len(self.jobs) or job is not self.jobs[index]:
             raise RuntimeError("bug: prefill must run the oldest jobs first, in order")
+        if job.seed is not None:
+            self._seed(job)
         b = job.batch
         lo, hi = job.done_cols, min(b.width, job.done_cols + max(1, cols))
         dev = self.runner.device
@@ -180,6 +244,7 @@ class Decoder:
         shapes = self.shapes
         start = self.now()
         if shapes is not None and lo == 0 and hi == b.width and shapes.prefill_fits(hi):
+            # (a job seeded from the prefix cache starts past 0: it runs eager)
             logits, job.cache = shapes.prefill(b)
         else:
             if shapes is not None:
@@ -202,7 +267,7 @@ class Decoder:
         padded) tokens of the chunk."""
         for g in job.gens:
             t = g.timings
-            if lo == 0:
+            if lo == job.first_col or math.isnan(t.prefill_start):
                 t.prefill_start = start
             t.prefill_compute += end - start
         job.done_cols = hi
@@ -242,6 +307,7 @@ class Decoder:
         if job is not self.jobs[0]:
             raise RuntimeError("bug: jobs join the running batch in order")
         self.jobs.popleft()
+        self._store_prefixes(job)
         dev = self.runner.device
         next_pos = torch.tensor(job.batch.lengths, dtype=torch.long, device=dev)
         last = torch.tensor(tokens, dtype=torch.long, device=dev)

@@ -53,6 +53,7 @@ from lenbatch.generate.generation import Generation, Timings
 from lenbatch.generate.jobs import UnitResult
 from lenbatch.generate.metrics import LMMetrics
 from lenbatch.generate.policy import DecodePolicy, Unit, make_policy
+from lenbatch.generate.prefixcache import PrefixCache
 from lenbatch.generate.prompts import PromptCalls, Prompts
 from lenbatch.generate.sampling import step_logprobs
 from lenbatch.generate.schedule_step import ScheduleStep
@@ -145,8 +146,14 @@ class GenerationEngine(
                 self.generation.compile_max_width,
                 compile=self.generation.compile,
             )
+        mb = self.generation.prefix_cache_mb
         self.decoder = Decoder(
-            runner, self.clock.now, self.policy.release_on_merge, shapes, self._max_rows()
+            runner,
+            self.clock.now,
+            self.policy.release_on_merge,
+            shapes,
+            self._max_rows(),
+            PrefixCache(mb << 20) if mb else None,
         )
         self._unit_s = 0.0  # wall seconds of the last unit (the admission horizon)
 
@@ -180,8 +187,10 @@ class GenerationEngine(
         self.cfg = dataclasses.replace(self.cfg, lanes=lanes)
 
     def describe(self) -> str:
-        """One line for the start-up log: strategy, decode mode and lanes."""
-        line = f"decode {self.mode}, {super().describe()}"
+        """One line for the start-up log: strategy, decode mode, prefix cache and lanes."""
+        prefixes = self.decoder.prefixes
+        cache = f"prefix cache {prefixes.max_bytes >> 20} MiB" if prefixes else "no prefix cache"
+        line = f"decode {self.mode}, {cache}, {super().describe()}"
         if self.adaptive is not None:
             # the lanes run bucketed; adaptive decides room, chunks and admission
             slo = self.adaptive.slo
@@ -194,6 +203,8 @@ class GenerationEngine(
         out = self.lm.stats()
         out["decode_mode"] = self.mode
         out["preempted_rows"] = self.decoder.preempted
+        if self.decoder.prefixes is None:
+            out["prefix_cache"] = {"enabled": False}
         shapes = self.decoder.shapes
         out["compile"] = shapes.graphs.stats.as_dict() if shapes else {"enabled": False}
         if self.adaptive is not None:

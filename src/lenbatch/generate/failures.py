@@ -101,8 +101,9 @@ def _unmix(decoder: Decoder, jobs: list[PrefillJob]) -> None:
 
 
 def _restart(decoder: Decoder, job: PrefillJob, max_cols: int | None, *, alone: bool) -> None:
-    """Put `job` back at the head of the prefill queue from its first column, with a fresh
-    cache (a failed unit may have written some layers' caches and not others)."""
+    """Put `job` back at the head of the prefill queue from its first column (or past its
+    prompts' prefixes the prefix cache holds), with a fresh cache (a failed unit may have
+    written some layers' caches and not others)."""
     retry = PrefillJob(
         job.lane,
         job.gens,
@@ -112,6 +113,7 @@ def _restart(decoder: Decoder, job: PrefillJob, max_cols: int | None, *, alone: 
         max_cols=max_cols,
         alone=alone,
     )
+    decoder.match_prefixes(retry)
     decoder.jobs.appendleft(retry)
 
 

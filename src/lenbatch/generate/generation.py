@@ -106,6 +106,7 @@ class Generation:
     event loop for delivery), never concurrently."""
 
     __slots__ = (
+        "cached_tokens",
         "cancelled",
         "finish_reason",
         "generated",
@@ -147,6 +148,9 @@ class Generation:
         # Where `params.constraint` is set: the grammar's matcher (`generate.structured`),
         # advanced by every token added.
         self.matcher: Matcher | None = None
+        # Prompt tokens whose keys and values came from the prefix cache (OpenAI's
+        # `usage.prompt_tokens_details.cached_tokens`).
+        self.cached_tokens = 0
 
     @property
     def request_id(self) -> str:

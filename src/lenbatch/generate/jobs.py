@@ -37,6 +37,10 @@ class PrefillJob:
     # Prefilled in units of its own, never mixed with a decode step (after a mixed unit
     # failed: alone, a failure is this job's or the running batch's, and recovered as such).
     alone: bool = False
+    # Prompt columns whose keys and values come from the prefix cache: the first chunk runs
+    # from here (0: none), after `seed` has filled the cache (`Decoder._seed`).
+    first_col: int = 0
+    seed: Any = None  # (the `PrefixCache`, the rows' `PrefixMatch`es) until the cache is seeded
 
     @property
     def rows(self) -> int:

@@ -91,6 +91,18 @@ class LMMetrics(Series):
             "Units run by a compiled graph (hit) or eager for want of a fixed shape (miss)",
             "result",
         )
+        self.prefix_bytes = g(
+            "lenbatch_llm_prefix_cache_bytes", "Bytes of prompt prefixes kept for reuse"
+        )
+        self.prefix_looked = g(
+            "lenbatch_llm_prefix_cache_looked_up_tokens",
+            "Prompt tokens looked up in the prefix cache since the start",
+        )
+        self.prefix_hit = g(
+            "lenbatch_llm_prefix_cache_hit_tokens",
+            "Prompt tokens whose keys and values came from the prefix cache since the start",
+        )
+        self._prefix: dict[str, Any] = {"enabled": False}
         self._oom = {"prefill": 0, "decode": 0}
         self._ttft = window()
         self._stages = {s: window() for s in STAGES}
@@ -185,6 +197,13 @@ class LMMetrics(Series):
         self.running.set(running)
         self.pending.set(pending)
 
+    def set_prefix_cache(self, stats: Mapping[str, Any]) -> None:
+        """The prefix cache's figures (`PrefixCache.stats`)."""
+        self.prefix_bytes.set(stats["bytes"])
+        self.prefix_looked.set(stats["looked_up_tokens"])
+        self.prefix_hit.set(stats["hit_tokens"])
+        self._prefix = {"enabled": True, **stats}
+
     def set_compile(self, stats: Mapping[str, Any]) -> None:
         """Compiled graphs, compile seconds and hits/misses (`ShapeGraphs.stats`)."""
         self.graphs.set(stats["graphs"])
@@ -210,6 +229,7 @@ class LMMetrics(Series):
             if self._decode_padded
             else 0.0,
             "kv_cache": dict(self._kv),
+            "prefix_cache": dict(self._prefix),
             "out_of_memory": dict(self._oom),
             "steps": {
                 kind: {

@@ -463,15 +463,18 @@ def _wrapped(seed: int) -> int:
     return (seed - SEED_MIN) % 2**64 + SEED_MIN
 
 
-def usage(seqs: Sequence[GenerationHandle], choices: int = 1) -> dict[str, int]:
+def usage(seqs: Sequence[GenerationHandle], choices: int = 1) -> dict[str, Any]:
     """OpenAI usage counts of a call's sequences (every generated token counts), `choices`
-    per prompt, in prompt order: a prompt's tokens count once, as OpenAI counts them."""
+    per prompt, in prompt order: a prompt's tokens count once, as OpenAI counts them; of
+    those, `prompt_tokens_details.cached_tokens` came from the prefix cache."""
     prompt = sum(s.prompt_tokens for s in seqs[::choices])
     completion = sum(s.completion_tokens for s in seqs)
+    cached = sum(s.cached_tokens for s in seqs[::choices])
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -115,3 +115,5 @@ class UpdateStep:
         )
         if d.shapes is not None:
             self.lm.set_compile(d.shapes.graphs.stats.as_dict())
+        if d.prefixes is not None:
+            self.lm.set_prefix_cache(d.prefixes.stats())

@@ -60,6 +60,7 @@ class RemoteSequence:
         self.priority = priority
         self.generated: list[int] = []  # token ids relayed so far
         self.timings: dict[str, Any] = {}  # the replica's, once the sequence has finished
+        self.cached_tokens = 0  # prompt tokens from the replica's prefix cache (at the end)
         self.sink: DeltaQueue = asyncio.Queue()
         self.ticket: Ticket[Delta] | None = None
         self.relay: asyncio.Task[None] | None = None  # the task relaying it from a replica
@@ -181,6 +182,7 @@ class LMFrontend(PromptCalls, DeltaStreams[RemoteSequence], RayFrontend[Delta]):
                 seq.generated.extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     seq.timings = item.get("timings", {})
+                    seq.cached_tokens = int(item.get("cached_tokens", 0))
                     return delta
                 seq.sink.put_nowait(delta)
         except asyncio.CancelledError:

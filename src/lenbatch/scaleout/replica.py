@@ -179,8 +179,8 @@ class LMReplica(ReplicaShell):
         """Generate from one tokenized prompt: `{"admitted": replica}` or `{"error": ...}`
         first, then `{"ids", "text", "finish_reason"}` per delta (and `logprobs`, the
         `TokenLogprob`s, where the request asked for them; the last one also carries
-        `timings`), or `{"error": ...}` if the sequence fails. Leaving early (the ingress
-        cancels the stream) cancels the sequence."""
+        `timings` and `cached_tokens`), or `{"error": ...}` if the sequence fails. Leaving
+        early (the ingress cancels the stream) cancels the sequence."""
         try:
             seq = self.engine.submit(prompt, params, timeout=timeout, priority=priority)
         except LenbatchError as err:
@@ -198,6 +198,7 @@ class LMReplica(ReplicaShell):
                     item["logprobs"] = d.logprobs
                 if d.finish_reason is not None:
                     item["timings"] = seq.timings.summary_ms()
+                    item["cached_tokens"] = seq.cached_tokens
                 yield item
         except LenbatchError as err:
             yield {"error": error_fields(err), "replica": self.replica_id}

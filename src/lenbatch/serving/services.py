@@ -145,6 +145,12 @@ class GenerationHandle(Protocol):
         """Tokens generated so far."""
         ...
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose keys and values a prefix cache gave (known once the prompt is
+        prefilled, or for a relayed sequence once it has finished)."""
+        ...
+
     def timings_ms(self) -> dict[str, Any]:
         """The TTFT breakdown, inter-token and end-to-end times, in milliseconds."""
         ...
