@@ -20,6 +20,7 @@ from lenbatch.generate.adaptive import (
     RunningRow,
     delivered,
     door_state,
+    prefill_tokens,
 )
 from lenbatch.generate.costs import GenCosts
 
@@ -328,3 +329,22 @@ def test_a_higher_priority_still_waits_behind_its_own_lane() -> None:
         r.lane = 3
     assert p.refusal(200, 1, 0.0, queued, 0, [], 0, lane=2) is None
     assert p.refusal(200, 1, 0.0, queued, 0, [], 0, lane=3) is not None
+
+
+def test_prompt_tokens_the_prefix_cache_holds_are_not_priced() -> None:
+    """Queued prompts whose first 384 of 400 tokens the prefix cache holds cost 16 tokens of
+    prefill each: a prompt behind five of them is admitted where five uncached ones refuse
+    it; and one queued since 0.3 s (due at 1.3 s) is kept at 1 s, where uncached it would be
+    shed."""
+    p = _policy()
+    rows = [RunningRow(10)] * 4
+    queued = _queued([400] * 5)
+    assert p.refusal(200, 0, 0.0, queued, 0, rows, 0) is not None
+    for r in queued:
+        r.handle = SimpleNamespace(cached_tokens=384)
+    assert prefill_tokens(queued[0]) == 16
+    assert p.refusal(200, 0, 0.0, queued, 0, rows, 0) is None
+    late = _queued([400], arrival=0.3)
+    assert p.overdue(late, now=1.0) == late  # 0.41 s of prefill from 1.0 s misses 1.3 s...
+    late[0].handle = SimpleNamespace(cached_tokens=384)
+    assert p.overdue(late, now=1.0) == []  # ... 0.026 s does not

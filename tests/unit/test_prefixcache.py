@@ -196,3 +196,16 @@ def test_a_cache_of_sliding_window_layers_is_refused() -> None:
     cache.layers[1].is_sliding = True  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="whole prefix"):
         PrefixCache(1 << 30).store(cache, [list(range(B))], [0])
+
+
+def test_peek_finds_what_a_lookup_would_and_marks_nothing_used() -> None:
+    prefixes = PrefixCache(2 * BLOCK_BYTES)
+    first = [*range(B), 1]
+    _keep(prefixes, first)
+    _keep(prefixes, [*[9] * B, 1])
+    assert prefixes.peek(first) == B == prefixes.match(first).tokens
+    assert prefixes.peek(list(range(B))) == 0  # the last token always runs
+    prefixes.peek([*[9] * B, 1])  # a peek leaves the nines least recently used...
+    _keep(prefixes, [*[7] * B, 1])
+    assert prefixes.peek([*[9] * B, 1]) == 0  # ... so they went
+    assert prefixes.peek(first) == B

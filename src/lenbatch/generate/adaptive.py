@@ -19,8 +19,9 @@ models (`generate.costs.GenCosts`: one for prefill chunks, one for decode steps,
   that time; a long prompt then reaches its first token in fewer, larger chunks);
 * **admission at the door** (`refusal`): the request's predicted first-token time (prefill work
   ahead of it at its priority or above, interleaved with decode steps, plus the wait for a row
-  when the batch is full) against its TTFT deadline; refused with 429/503 and `Retry-After` only
-  when it cannot make it even so (with `ADMIT_SHARE` of margin);
+  when the batch is full) against its TTFT deadline; a prompt's prefill work is its tokens less
+  those the prefix cache held for it when it arrived (`prefill_tokens`); refused with 429/503
+  and `Retry-After` only when it cannot make it even so (with `ADMIT_SHARE` of margin);
 * **shedding in the queue** (`overdue`): a queued request that can no longer reach its first token
   in time is ended (through the ledger) rather than served late at the expense of those behind it.
 
@@ -50,6 +51,7 @@ __all__ = [
     "GenSLO",
     "RunningRow",
     "delivered",
+    "prefill_tokens",
 ]
 
 # TTFT objective when `adaptive.slo_ms` is unset (the goodput bar of the generation issue).
@@ -219,7 +221,7 @@ class AdaptiveGenPolicy:
         for r in queued:
             self._queued_seen += 1
             if r.priority >= priority or (lane is not None and r.lane == lane):
-                ahead_tokens += r.length
+                ahead_tokens += prefill_tokens(r)
                 ahead_rows += 1
         cap = self.row_cap()
         running = len(rows)
@@ -282,7 +284,8 @@ class AdaptiveGenPolicy:
         out = [
             r
             for r in queued
-            if now + self.costs.prefill_s(1, r.length) > r.arrival + self.slo.ttft(r.priority)
+            if now + self.costs.prefill_s(1, prefill_tokens(r))
+            > r.arrival + self.slo.ttft(r.priority)
         ]
         self.shed += len(out)
         self._queued_seen = 0
@@ -290,7 +293,7 @@ class AdaptiveGenPolicy:
         for r in out:
             due = r.arrival + self.slo.ttft(r.priority) - now
             self._record(now, "queue", r.length, r.priority, due, 0.0,
-                         self.costs.prefill_s(1, r.length), 0)  # fmt: skip
+                         self.costs.prefill_s(1, prefill_tokens(r)), 0)  # fmt: skip
         return out
 
     def _record(
@@ -402,6 +405,13 @@ def delivered(rows: Iterable[Any]) -> list[tuple[int, float]]:
         times = g.timings.token_times
         out.append((len(times), times[0] if times else math.nan))
     return out
+
+
+def prefill_tokens(r: Request) -> int:
+    """The prompt tokens `r` still has to prefill: its length less those its generation was
+    told the prefix cache holds (`cached_tokens`: an estimate at the door, the match once it
+    is a prefill job's); at least one."""
+    return max(1, r.length - int(getattr(r.handle, "cached_tokens", 0) or 0))
 
 
 def queued_requests(lanes: Iterable[Iterable[Request]]) -> list[Request]:

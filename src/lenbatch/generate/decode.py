@@ -167,6 +167,9 @@ class Decoder:
         """Start `job` past the prompt columns the prefix cache holds for every row (a
         left-padded row's cached prefix ends at its start plus the match; the job starts at
         the earliest such end). Only the lookup runs here; `_seed` copies in the worker."""
+        for g in job.gens:
+            if not g.generated:
+                g.cached_tokens = 0  # (an estimate at the door, until the match below)
         if self.prefixes is None:
             return
         b = job.batch

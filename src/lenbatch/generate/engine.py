@@ -295,9 +295,12 @@ class GenerationEngine(
             raise
         now = self.clock.now()
         refusal = self.admission.check([len(prompt)], self.queues, now)
+        cached = 0
         if refusal is None and self.adaptive is not None:
             waited = 0.0 if arrival is None else now - arrival
-            refusal = self._priced_refusal(len(prompt), priority, waited)
+            prefixes = self.decoder.prefixes
+            cached = prefixes.peek(prompt) if prefixes is not None else 0
+            refusal = self._priced_refusal(len(prompt), priority, waited, cached)
             if refusal is not None:
                 self.metrics.record_shed("admission")
         if refusal is not None:
@@ -310,19 +313,23 @@ class GenerationEngine(
         )
         timings = Timings(arrival=now if arrival is None else min(arrival, now), queued=now)
         gen = open_generation(request, params, self.runner, timings)
+        gen.cached_tokens = cached  # adaptive prices its queue by it; its job says for sure
         self.queues.push(request)
         self.ledger.admit([ticket_of(gen)])
         self._kick()
         return gen
 
-    def _priced_refusal(self, length: int, priority: int, waited: float) -> LenbatchError | None:
-        """adaptive: the refusal of a prompt predicted to miss its TTFT objective, or None."""
+    def _priced_refusal(
+        self, length: int, priority: int, waited: float, cached: int = 0
+    ) -> LenbatchError | None:
+        """adaptive: the refusal of a prompt of `length` tokens (`cached` of them in the prefix
+        cache) predicted to miss its TTFT objective, or None."""
         assert self.adaptive is not None
         d = self.decoder
         rows, pending_tokens, pending_rows = door_state(d.rows, d.jobs)
         queued = queued_requests(self.queues.lanes)
         return self.adaptive.refusal(
-            length,
+            length - cached,
             priority,
             max(0.0, waited),
             queued,

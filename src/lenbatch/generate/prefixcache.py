@@ -145,6 +145,20 @@ class PrefixCache:
         with self._lock:
             return PrefixMatch(self._walk(ids, (len(ids) - 1) // BLOCK_TOKENS))
 
+    def peek(self, ids: Sequence[int]) -> int:
+        """Tokens of `ids` a lookup would find cached now (for pricing admission; the blocks
+        are not marked as used)."""
+        found = 0
+        with self._lock:
+            parent: _Block | None = None
+            for j in range((len(ids) - 1) // BLOCK_TOKENS):
+                block = self._blocks.get(self._key(parent, ids, j))
+                if block is None:
+                    break
+                found += 1
+                parent = block
+        return found * BLOCK_TOKENS
+
     def count(self, prompts: int, tokens: int, reused: int) -> None:
         """Record that `prompts` prompts of `tokens` tokens were looked up and `reused` of
         those tokens were taken from the cache."""
@@ -263,14 +277,24 @@ class PrefixCache:
         if pool is None or all(cols <= s for s in starts):
             return 0
         layers, _, heads, _, dim = pool.shape
-        seed = pool.new_zeros((layers, 2, len(matches), heads, cols, dim))
+        # Each layer's keys and values as the cache keeps them, `[rows, heads, cols, dim]`,
+        # written once: a row's blocks are gathered one layer at a time (a few MB, which the
+        # copy into place then reads from the processor's cache, where one gather of every
+        # layer would allocate and copy the whole prefix twice).
+        out = [[pool.new_empty((len(matches), heads, cols, dim)) for _ in range(2)]
+               for _ in range(layers)]  # fmt: skip
         for i, (m, start) in enumerate(zip(matches, starts, strict=True)):
-            n = cols - start
-            if n > 0:
-                got = pool.index_select(3, self._columns(m.blocks[: -(-n // BLOCK_TOKENS)])[:n])
-                seed[:, :, i, :, start:cols] = got
-        for layer in range(layers):
-            cache.update(seed[layer, 0], seed[layer, 1], layer)
+            n = max(0, cols - start)
+            idx = self._columns(m.blocks[: -(-n // BLOCK_TOKENS)])[:n] if n else None
+            for layer, kinds in enumerate(out):
+                for kind, t in enumerate(kinds):
+                    row = t[i]
+                    if n < cols:
+                        row[:, : cols - n].zero_()  # masked padding
+                    if idx is not None:
+                        row[:, cols - n :].copy_(pool[layer, kind].index_select(1, idx))
+        for layer, (keys, values) in enumerate(out):
+            cache.update(keys, values, layer)
         return cols
 
     def stats(self) -> dict[str, Any]:
