@@ -4,9 +4,10 @@
     bench/run.py fuzz -- --llm --examples 1000 \
         --out bench/results/fuzz_openapi_llm.md
 
-`--llm` fuzzes the generation routes (`/v1/completions`, `/v1/chat/completions`) of a server
-running a tiny random Llama (built into `out/tiny-llama-fuzz` on first use) with generations
-capped at 4 tokens (`LENBATCH_GENERATION__MAX_TOKENS_LIMIT`), so the campaign stays bounded.
+`--llm` fuzzes the generation routes (`/v1/completions`, `/v1/chat/completions`,
+`/v1/responses`) of a server running a tiny random Llama (built into `out/tiny-llama-fuzz` on
+first use) with generations capped at 4 tokens (`LENBATCH_GENERATION__MAX_TOKENS_LIMIT`), so
+the campaign stays bounded.
 
 Starts the server on a free port, runs `schemathesis run` (valid and invalid cases, coverage and
 fuzzing phases) with the `not_a_server_error` check, and reports the case count and failures.
@@ -48,7 +49,7 @@ def main() -> int:
         model = str(folder)
         env.update(HF_HUB_OFFLINE="1", LENBATCH_GENERATION__MAX_TOKENS_LIMIT="4")
         env["LENBATCH_GENERATION__DEFAULT_MAX_TOKENS"] = "2"
-        only = ["--include-path-regex", "^/v1/(chat/)?completions$"]
+        only = ["--include-path-regex", "^/v1/((chat/)?completions|responses)$"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

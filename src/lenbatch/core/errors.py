@@ -19,6 +19,7 @@ __all__ = [
     "ModelNotFound",
     "OutOfMemory",
     "Overloaded",
+    "ResponseNotFound",
     "RunnerCrashed",
     "Unavailable",
     "drain_timed_out",
@@ -64,6 +65,12 @@ class ModelNotFound(
     LenbatchError, status=404, code="model_not_found", kind="invalid_request_error"
 ):
     """The request names a model this server does not serve."""
+
+
+class ResponseNotFound(
+    LenbatchError, status=404, code="response_not_found", kind="invalid_request_error"
+):
+    """No stored response has the id a request names (`/v1/responses`)."""
 
 
 class InputTooLong(LenbatchError, status=413, code="input_too_long", kind="invalid_request_error"):

@@ -2,8 +2,10 @@
 (the single server's `GenerationEngine`, or the Ray ingress's front-end).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (when the tokenizer has a chat
-template), both with `stream: true` as server-sent events; `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus: prefill batches per bucket plus the generation series), `GET /stats`.
+template), both with `stream: true` as server-sent events; OpenAI's Responses API on the chat
+path (`generate.responses`: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`);
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus: prefill batches per bucket plus
+the generation series), `GET /stats`.
 
 Beyond OpenAI's fields, responses carry a `lenbatch` object with each choice's TTFT breakdown
 (tokenize, queue, schedule, prefill, first_token), inter-token latency and end-to-end time;
@@ -44,12 +46,19 @@ from lenbatch.serving.server import received_at
 from lenbatch.serving.services import GenerationHandle, GenerationService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
 
-__all__ = ["create_llm_app"]
+__all__ = [
+    "PriorityHeader",
+    "RequestTimeout",
+    "collect_texts",
+    "create_llm_app",
+    "first_delta",
+    "merged_deltas",
+]
 
 log = logging.getLogger("lenbatch.generate.api")
 
 
-_Timeout = Annotated[
+RequestTimeout = Annotated[
     float | None,
     Header(
         gt=0,
@@ -59,7 +68,7 @@ _Timeout = Annotated[
 ]
 
 
-_Priority = Annotated[
+PriorityHeader = Annotated[
     int | None,
     Header(
         description="Priority level of this call (strategy adaptive): 0 (the default) to the "
@@ -94,8 +103,8 @@ def create_llm_app(
     async def completions(
         body: CompletionRequest,
         request: Request,
-        x_request_timeout: _Timeout = None,
-        x_priority: _Priority = None,
+        x_request_timeout: RequestTimeout = None,
+        x_priority: PriorityHeader = None,
     ) -> Response:
         """OpenAI-compatible text completion; each prompt is batched by its own length."""
         arrival = accept(body, request)
@@ -126,8 +135,8 @@ def create_llm_app(
     async def chat_completions(
         body: ChatRequest,
         request: Request,
-        x_request_timeout: _Timeout = None,
-        x_priority: _Priority = None,
+        x_request_timeout: RequestTimeout = None,
+        x_priority: PriorityHeader = None,
     ) -> Response:
         """OpenAI-compatible chat completion through the tokenizer's chat template."""
         arrival = accept(body, request)
@@ -146,6 +155,9 @@ def create_llm_app(
         )
         return await _respond(request, engine, seqs, body, served, chat=True, tools=tools)
 
+    from lenbatch.generate.responses import add_response_routes  # it imports this module
+
+    add_response_routes(app, engine, accept, served)
     if tokenizer is not None:
         add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted, served)
     add_task_refusals(app, served, ["generate"])
@@ -173,7 +185,7 @@ async def _echoes(
     return out
 
 
-async def _merged(
+async def merged_deltas(
     engine: GenerationService[Any], seqs: Sequence[GenerationHandle]
 ) -> AsyncGenerator[tuple[int, Delta]]:
     """(choice index, delta) from every sequence as they arrive."""
@@ -225,12 +237,12 @@ async def _respond(
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        merged = _merged(engine, seqs)
+        merged = merged_deltas(engine, seqs)
         # The status line waits for the first token: a request that ends before it (shed in
         # the queue by adaptive, or failed) then gets its own status and error body, as one
         # refused at the door does, rather than a 200 and an error event.
         try:
-            first = await unless_disconnected(request, _first(merged))
+            first = await unless_disconnected(request, first_delta(merged))
         except LenbatchError as err:
             await merged.aclose()
             return error_response(err)
@@ -242,7 +254,7 @@ async def _respond(
         events = _sse(seqs, first, merged, rid, created, served, chat, include_usage,
                       body.return_tokens_as_token_ids, body.n, echoes, tools)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
-    done = await unless_disconnected(request, _collect(engine, seqs))
+    done = await unless_disconnected(request, collect_texts(engine, seqs))
     if done is None:  # the client left: its sequences leave the batch
         for s in seqs:
             engine.cancel(s)
@@ -271,14 +283,14 @@ async def _respond(
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
-async def _collect(
+async def collect_texts(
     engine: GenerationService[Any], seqs: list[GenerationHandle]
 ) -> tuple[list[str], list[str | None], list[list[TokenLogprob]]]:
     """Each choice's whole text, finish reason and token log-probabilities (where asked)."""
     texts = [""] * len(seqs)
     reasons: list[str | None] = [None] * len(seqs)
     logprobs: list[list[TokenLogprob]] = [[] for _ in seqs]
-    async for i, d in _merged(engine, seqs):
+    async for i, d in merged_deltas(engine, seqs):
         texts[i] += d.text
         if d.logprobs:
             logprobs[i].extend(d.logprobs)
@@ -287,7 +299,7 @@ async def _collect(
     return texts, reasons, logprobs
 
 
-async def _first(
+async def first_delta(
     merged: AsyncIterator[tuple[int, Delta]],
 ) -> tuple[tuple[int, Delta], ...]:
     """The first (choice index, delta) of `merged` as a one-item tuple; empty if none came."""

@@ -1,9 +1,10 @@
 """Schemathesis fuzzing of the generation server's OpenAPI schema: no input may cause a 5xx.
 
-`/v1/completions` and `/v1/chat/completions` (valid and invalid bodies, headers) are sent over
-real HTTP to uvicorn on loopback, in front of a tiny random Llama loaded through the real
-`CausalLMRunner` (real tokenizer and chat template). `max_tokens_limit` keeps each generation
-short so the run stays bounded; run `bench/fuzz_openapi.py --llm` for a longer campaign.
+`/v1/completions`, `/v1/chat/completions` and `/v1/responses` (valid and invalid bodies,
+headers) are sent over real HTTP to uvicorn on loopback, in front of a tiny random Llama loaded
+through the real `CausalLMRunner` (real tokenizer and chat template). `max_tokens_limit` keeps
+each generation short so the run stays bounded; run `bench/fuzz_openapi.py --llm` for a longer
+campaign.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lenbatch.serving.server import DrainingServer
 pytestmark = pytest.mark.slow
 
 EXAMPLES_PER_OPERATION = 120
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 SEEN: Counter[str] = Counter()
 
 
@@ -112,7 +113,7 @@ def test_no_generation_input_causes_a_server_error(case: Any, llm_url: str) -> N
 
 
 def test_llm_fuzz_ran_enough_cases() -> None:
-    """The fuzz run above really exercised both generation routes (and reports its counts)."""
+    """The fuzz run above really exercised every generation route (and reports its counts)."""
     print(f"\nllm fuzz: {sum(SEEN.values())} cases; by status: {dict(SEEN)}")
     for route in ROUTES:
         assert sum(n for k, n in SEEN.items() if k.startswith(f"POST {route} ")) >= 50, route
