@@ -36,8 +36,6 @@ def test_required_is_an_array_of_the_tools_calls() -> None:
 @pytest.mark.parametrize(
     ("functions", "choice", "named", "needle"),
     [
-        (F, "auto", None, "needs a parser"),
-        (F, None, None, "needs a parser"),
         (F, None, "nope", "not among the tools"),
         ({}, "required", None, "needs tools"),
     ],
@@ -47,6 +45,19 @@ def test_refusals(
 ) -> None:
     with pytest.raises(BadInput, match=needle):
         plan_tools(functions, choice, named, None)
+
+
+@pytest.mark.parametrize("choice", ["auto", None])
+def test_auto_takes_the_servers_parser_or_is_refused(choice: str | None) -> None:
+    """`auto` (and no tool_choice with tools) is free text for a parser: without one, a 400
+    naming the flag and what to send instead."""
+    tools, schema = plan_tools(F, choice, None, None)
+    assert tools == ToolCalls("auto") and schema is None
+    assert tools.with_parser("hermes") == ToolCalls("auto", parser="hermes")
+    with pytest.raises(BadInput, match=r"needs a parser .* --tool-call-parser"):
+        tools.with_parser(None)
+    named = ToolCalls("named", "ping")
+    assert named.with_parser(None) is named
 
 
 def test_free_text_where_no_call_is_asked() -> None:

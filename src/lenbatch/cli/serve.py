@@ -91,6 +91,13 @@ def register(sub: Any) -> None:
         help="continuous: token budget per step; longer prefills are chunked (default 256)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "pythonic"],
+        help="the model's own tool-call format, read out of its text under tool_choice auto "
+        "(hermes: <tool_call>{...}</tool_call> blocks; pythonic: [f(a=1)]); default none: "
+        "auto is refused",
+    )
+    g.add_argument(
         "--prefix-cache-mb",
         type=int,
         help="most MiB of prompt prefixes' keys and values kept for prompts that start the "
@@ -240,6 +247,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "max_running": args.max_running,
             "step_tokens": args.step_tokens,
             "prefix_cache_mb": args.prefix_cache_mb,
+            "tool_call_parser": args.tool_call_parser,
             "compile": args.compile,
         },
         "server": {

@@ -135,6 +135,9 @@ class GenerationConfig(BaseModel):
     step_tokens: int = Field(256, ge=1)
     """continuous: token budget of one step; a prefill chunk gets it minus the running rows
     (twice it while at most 4 rows decode: few streams wait on a bigger chunk)."""
+    tool_call_parser: Literal["hermes", "pythonic"] | None = None
+    """The model's own tool-call format, read out of its text under `tool_choice: "auto"`
+    (`generate.toolparsers`); None: `auto` is refused with a 400, as vLLM without a parser."""
     prefix_cache_mb: int = Field(512, ge=0)
     """Most MiB of prompt prefixes' keys and values kept for prompts that start the same way
     (`generate.prefixcache`); 0 turns prefix caching off. vLLM's is on by default too."""

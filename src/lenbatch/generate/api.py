@@ -36,7 +36,8 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
-from lenbatch.generate.tools import ToolCalls, call_id
+from lenbatch.generate.toolparsers import AutoToolStream
+from lenbatch.generate.tools import ToolCalls, call_id, tool_call
 from lenbatch.runners.tokenizer import TextTokenizer
 from lenbatch.serving.http import check_model, engine_app, unless_disconnected
 from lenbatch.serving.http_errors import error_response
@@ -142,6 +143,8 @@ def create_llm_app(
         arrival = accept(body, request)
         messages = [m.for_template() for m in body.messages]
         tools, _ = body.tool_plan()  # a bad tool_choice is refused before any tokenizing
+        if tools is not None:
+            tools = tools.with_parser(engine.generation.tool_call_parser)
         prompt = await engine.chat_prompt(messages, body.template_tools())
         requested = body.max_completion_tokens or body.max_tokens
         params = body.choice_params(body.sampling(requested or engine.context_left(len(prompt))))
@@ -266,8 +269,10 @@ async def _respond(
         if chat:
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if tools is not None and reason == "stop":  # complete: its calls, not its text
-                msg = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
-                reason = tools.finish_reason
+                content, calls = tools.message(text)
+                if calls:
+                    msg = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = tools.finish_reason
             lp = chat_logprobs(logprobs[i], as_ids=as_ids) if asked else None
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         else:
@@ -380,21 +385,29 @@ class _ToolStream:
     """One chat choice's text streamed as tool calls: a named function's arguments as they
     come (the first fragment with the call's id and name), `required`'s calls whole once
     the array is complete (before that it cannot be split into calls); a text cut short by
-    `max_tokens` under `required` comes as content at its end."""
+    `max_tokens` under `required` comes as content at its end. Under `auto` the content
+    streams as it comes, but for what may begin a call, and the calls come whole at the end
+    (`AutoToolStream`)."""
 
     def __init__(self, tools: ToolCalls) -> None:
         self.tools = tools
         self.text = ""
         self.started = False
+        self.auto = AutoToolStream(tools.parser) if tools.parser is not None else None
+        self.called = False  # auto: the text held calls
 
     @property
     def finish_reason(self) -> str:
-        """The finish reason of a complete call."""
+        """The finish reason of a complete text."""
+        if self.auto is not None:
+            return "tool_calls" if self.called else "stop"
         return self.tools.finish_reason
 
     def delta(self, d: Delta) -> dict[str, Any]:
         """The chunk's `delta` for `d`."""
         self.text += d.text
+        if self.auto is not None:
+            return self._auto(d)
         if self.tools.mode == "named":
             fn: dict[str, Any] = {"arguments": d.text}
             call: dict[str, Any] = {"index": 0, "function": fn}
@@ -409,3 +422,17 @@ class _ToolStream:
             return {"content": self.text}
         calls = self.tools.calls(self.text)
         return {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}
+
+    def _auto(self, d: Delta) -> dict[str, Any]:
+        assert self.auto is not None
+        out: dict[str, Any] = {}
+        content = self.auto.push(d.text)
+        if d.finish_reason is not None:
+            rest, found = self.auto.finish(complete=d.finish_reason == "stop")
+            content += rest
+            if found:
+                self.called = True
+                out["tool_calls"] = [dict(tool_call(*c), index=k) for k, c in enumerate(found)]
+        if content:
+            out["content"] = content
+        return out

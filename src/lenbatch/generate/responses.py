@@ -92,6 +92,9 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None
     top_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's, as in chat completions: a JSON schema, regex, choice or grammar."
+    )
 
     def unsupported(self) -> str | None:
         """The first option set to something this server cannot honour, named."""
@@ -125,6 +128,8 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "user": self.user,
         }
+        if self.structured_outputs is not None:
+            body["structured_outputs"] = self.structured_outputs
         fmt = self.format()
         if fmt is not None:
             body["response_format"] = _response_format(fmt)
@@ -287,7 +292,10 @@ class _Call:
         """The output items of a finished text: tool calls where it made complete ones, else
         one assistant message."""
         if self.tools is not None and reason == "stop":
-            return [_function_item(c) for c in self.tools.calls(text)]
+            content, calls = self.tools.message(text)
+            if calls:  # under auto, the text beside the calls first, as a message
+                said = [_message_item(_item_id("msg"), content, "completed")] if content else []
+                return [*said, *(_function_item(c) for c in calls)]
         return [_message_item(_item_id("msg"), text, _status(reason))]
 
     def finished(self, output: list[dict[str, Any]], reason: str | None) -> dict[str, Any]:
@@ -375,6 +383,8 @@ def add_response_routes(
         if (why := body.unsupported()) is not None:
             raise BadInput(why)
         tools, _ = chat.tool_plan()
+        if tools is not None:
+            tools = tools.with_parser(engine.generation.tool_call_parser)
         messages = [m.for_template() for m in chat.messages]
         prompt = await engine.chat_prompt(messages, chat.template_tools())
         params = chat.sampling(body.max_output_tokens or engine.context_left(len(prompt)))
