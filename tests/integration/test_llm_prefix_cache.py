@@ -213,3 +213,46 @@ def test_openai_usage_reports_the_cached_prompt_tokens(llama_runner: Any) -> Non
     pc = stats["prefix_cache"]
     assert pc["enabled"] and pc["hit_tokens"] == 2 * whole and pc["lookups"] == 3
     assert f"lenbatch_llm_prefix_cache_hit_tokens {float(2 * whole)}" in metrics
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+async def test_choices_of_one_prompt_prefill_it_once(
+    arch: str, llama_runner: Any, gpt2_runner: Any
+) -> None:
+    """Three rows of one prompt (a call's `n` choices) in one scheduler batch: the first
+    prefills the prompt, the other two, queued right behind it, take its blocks (looked up
+    when their job starts, after the first kept them) and run only the last partial block;
+    every row gets generate()'s tokens, and a seeded sampled choice draws what it draws
+    alone."""
+    runner = llama_runner if arch == "llama" else gpt2_runner
+    prompts, _ = _prompts(runner)
+    prompt = prompts[4]
+    expected = reference_greedy(runner, prompt, MAX_NEW)
+    engine = _engine(runner)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    await engine.start()
+    try:
+        seqs = [engine.submit(prompt, greedy) for _ in range(3)]
+        got = await asyncio.gather(*(_collect(engine, s) for s in seqs))
+    finally:
+        await engine.stop()
+    assert got == [expected] * 3
+    whole = (len(prompt) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert [s.cached_tokens for s in seqs] == [0, whole, whole]
+    assert engine.lm.stats()["steps"]["prefill"]["count"] >= 2  # two jobs
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=7)
+    shared_engine = _engine(runner)
+    await shared_engine.start()
+    try:
+        seqs = [shared_engine.submit(prompt, p) for p in (greedy, sampled)]
+        both = await asyncio.gather(*(_collect(shared_engine, s) for s in seqs))
+    finally:
+        await shared_engine.stop()
+    assert both[0] == expected and seqs[1].cached_tokens == whole
+    alone_sampled = _engine(runner, prefix_cache_mb=0)
+    await alone_sampled.start()
+    try:
+        ref = await _collect(alone_sampled, alone_sampled.submit(prompt, sampled))
+    finally:
+        await alone_sampled.stop()
+    assert both[1] == ref

@@ -16,6 +16,7 @@ class _Job:
     remaining: int
     max_cols: int | None = None
     alone: bool = False
+    after_prefix: bool = False
 
 
 @dataclass
@@ -153,7 +154,8 @@ def test_static_is_another_name_for_the_lockstep_policy() -> None:
 def test_a_chunk_that_ends_its_job_leaves_the_budget_to_the_next_jobs() -> None:
     """Where the runner can, the jobs queued behind a chunk that ends its job take what is
     left of the unit's budget, in queue order, in the same forward: whole while they fit, the
-    last one possibly in part; packing stops at a job marked to run alone."""
+    last one possibly in part; packing stops at a job marked to run alone or to wait for the
+    blocks of the job before it."""
     p = ContinuousPolicy(max_running=64, step_tokens=64)
     a, b, c, d = _Job(1, 10), _Job(2, 8), _Job(1, 30), _Job(1, 5)
     core = _Core(jobs=deque([a, b, c, d]), running_rows=8, mixer=object())
@@ -173,6 +175,9 @@ def test_a_chunk_that_ends_its_job_leaves_the_budget_to_the_next_jobs() -> None:
     core = _Core(jobs=deque([a, _Job(1, 5, alone=True), d]), running_rows=8, mixer=object())
     assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]
     core = _Core(jobs=deque([_Job(1, 5, alone=True), d]), running_rows=8, mixer=object())
+    assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]
+    # so does a job waiting for the blocks of the job before it (a call's other choices)
+    core = _Core(jobs=deque([a, _Job(2, 5, after_prefix=True), d]), running_rows=8, mixer=object())
     assert p.next_unit(core, "decode").more == ()  # type: ignore[arg-type,union-attr]
     # an idle engine prefills its first job whole and the next ones under twice the budget
     core = _Core(jobs=deque([_Job(1, 100), _Job(1, 20), _Job(1, 50)]), mixer=object())

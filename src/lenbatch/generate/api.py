@@ -14,18 +14,24 @@ requests may send `ignore_eos` (as vLLM) to generate exactly `max_tokens` tokens
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from lenbatch.config import Settings
 from lenbatch.core.errors import BadInput, LenbatchError
+from lenbatch.generate.calls import (
+    PriorityHeader,
+    RequestTimeout,
+    collect_texts,
+    first_delta,
+    merged_deltas,
+)
 from lenbatch.generate.protocol import (
     ChatRequest,
     CommonOptions,
@@ -36,6 +42,7 @@ from lenbatch.generate.protocol import (
     obj_line,
     usage,
 )
+from lenbatch.generate.responses import add_response_routes
 from lenbatch.generate.toolparsers import AutoToolStream
 from lenbatch.generate.tools import ToolCalls, call_id, tool_call
 from lenbatch.runners.tokenizer import TextTokenizer
@@ -47,35 +54,9 @@ from lenbatch.serving.server import received_at
 from lenbatch.serving.services import GenerationHandle, GenerationService
 from lenbatch.serving.tokenize_api import add_tokenize_routes
 
-__all__ = [
-    "PriorityHeader",
-    "RequestTimeout",
-    "collect_texts",
-    "create_llm_app",
-    "first_delta",
-    "merged_deltas",
-]
+__all__ = ["create_llm_app"]
 
 log = logging.getLogger("lenbatch.generate.api")
-
-
-RequestTimeout = Annotated[
-    float | None,
-    Header(
-        gt=0,
-        allow_inf_nan=False,
-        description="Seconds the request may wait in the queue before it is answered 504.",
-    ),
-]
-
-
-PriorityHeader = Annotated[
-    int | None,
-    Header(
-        description="Priority level of this call (strategy adaptive): 0 (the default) to the "
-        "server's priority_levels - 1; higher levels jump the queue of lower ones.",
-    ),
-]
 
 
 def create_llm_app(
@@ -158,8 +139,6 @@ def create_llm_app(
         )
         return await _respond(request, engine, seqs, body, served, chat=True, tools=tools)
 
-    from lenbatch.generate.responses import add_response_routes  # it imports this module
-
     add_response_routes(app, engine, accept, served)
     if tokenizer is not None:
         add_tokenize_routes(app, tokenizer, engine.info.max_length, accepted, served)
@@ -186,43 +165,6 @@ async def _echoes(
         text = given if isinstance(given, str) else await engine.prompt_text(ids)
         out.append((text, None if top is None else await engine.prompt_logprobs(ids, top)))
     return out
-
-
-async def merged_deltas(
-    engine: GenerationService[Any], seqs: Sequence[GenerationHandle]
-) -> AsyncGenerator[tuple[int, Delta]]:
-    """(choice index, delta) from every sequence as they arrive."""
-    if len(seqs) == 1:
-        async for d in engine.stream(seqs[0]):
-            yield 0, d
-        return
-    out: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, s: GenerationHandle) -> None:
-        try:
-            async for d in engine.stream(s):
-                out.put_nowait((i, d))
-        except BaseException as exc:  # forwarded to the consumer
-            out.put_nowait(exc)
-            return
-        out.put_nowait(None)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(seqs)]
-    try:
-        done = 0
-        while done < len(seqs):
-            item = await out.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in seqs:
-            engine.cancel(s)
 
 
 async def _respond(
@@ -286,32 +228,6 @@ async def _respond(
     payload["usage"] = usage(seqs, body.n)
     payload["lenbatch"] = {"timings": [s.timings_ms() for s in seqs]}
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
-
-
-async def collect_texts(
-    engine: GenerationService[Any], seqs: list[GenerationHandle]
-) -> tuple[list[str], list[str | None], list[list[TokenLogprob]]]:
-    """Each choice's whole text, finish reason and token log-probabilities (where asked)."""
-    texts = [""] * len(seqs)
-    reasons: list[str | None] = [None] * len(seqs)
-    logprobs: list[list[TokenLogprob]] = [[] for _ in seqs]
-    async for i, d in merged_deltas(engine, seqs):
-        texts[i] += d.text
-        if d.logprobs:
-            logprobs[i].extend(d.logprobs)
-        if d.finish_reason is not None:
-            reasons[i] = d.finish_reason
-    return texts, reasons, logprobs
-
-
-async def first_delta(
-    merged: AsyncIterator[tuple[int, Delta]],
-) -> tuple[tuple[int, Delta], ...]:
-    """The first (choice index, delta) of `merged` as a one-item tuple; empty if none came."""
-    try:
-        return (await anext(merged),)
-    except StopAsyncIteration:
-        return ()
 
 
 async def _sse(

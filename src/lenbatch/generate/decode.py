@@ -28,7 +28,7 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
-from lenbatch.generate.prefixcache import PrefixCache
+from lenbatch.generate.prefixcache import BLOCK_TOKENS, PrefixCache
 from lenbatch.generate.sampling import choose_tokens, mask_eos, penalize, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
@@ -129,10 +129,42 @@ class Decoder:
         )
 
     def add_job(self, lane: int, gens: list[Generation], pad_to: int | None) -> PrefillJob:
-        """Collate a scheduler batch (left padding, position ids) and queue it for prefill."""
-        job = self.new_job(lane, gens, pad_to=pad_to)
+        """Collate a scheduler batch (left padding, position ids) and queue it for prefill.
+
+        With the prefix cache, rows whose prompt another row of the batch already has (a
+        call's `n` choices) go into a second job queued right behind the first: by the time
+        it starts, the first has kept the prompt's blocks, so each such row prefills only
+        the prompt's last, partial block instead of the whole prompt again. Only the second
+        job frees the scheduler's slot (it counted the batch once)."""
+        firsts, again = self._first_of_each_prompt(gens)
+        if not again:
+            job = self.new_job(lane, gens, pad_to=pad_to)
+            self.jobs.append(job)
+            return job
+        job = self.new_job(lane, firsts, pad_to=pad_to, releases=False)
         self.jobs.append(job)
+        later = self.new_job(lane, again, pad_to=pad_to)
+        later.after_prefix = True
+        self.jobs.append(later)
         return job
+
+    def _first_of_each_prompt(
+        self, gens: list[Generation]
+    ) -> tuple[list[Generation], list[Generation]]:
+        """`gens` split into the first with each prompt and the rest (the rest empty where
+        nothing is gained: no prefix cache, or prompts shorter than a block)."""
+        if self.prefixes is None or len(gens) < 2:
+            return gens, []
+        seen: set[tuple[int, ...]] = set()
+        firsts, again = [], []
+        for g in gens:
+            ids = tuple(g.request.token_ids or ()) + tuple(g.generated)
+            if ids in seen and len(ids) > BLOCK_TOKENS:
+                again.append(g)
+            else:
+                seen.add(ids)
+                firsts.append(g)
+        return firsts, again
 
     def new_job(
         self,
@@ -157,16 +189,16 @@ class Decoder:
             position_ids=True,
         )
         cache = self.runner.new_cache()
-        job = PrefillJob(
+        return PrefillJob(
             lane, gens, batch, cache, releases=releases, max_cols=max_cols, alone=alone
         )
-        self.match_prefixes(job)
-        return job
 
     def match_prefixes(self, job: PrefillJob) -> None:
         """Start `job` past the prompt columns the prefix cache holds for every row (a
         left-padded row's cached prefix ends at its start plus the match; the job starts at
-        the earliest such end). Only the lookup runs here; `_seed` copies in the worker."""
+        the earliest such end). Runs in the worker before the job's first chunk, so that a
+        job queued behind another with the same prompt head finds the blocks that one kept;
+        `_seed` then copies them."""
         for g in job.gens:
             if not g.generated:
                 g.cached_tokens = 0  # (an estimate at the door, until the match below)
@@ -224,6 +256,9 @@ class Decoder:
         `job` is the unit's `index`-th chunk."""
         if index >= len(self.jobs) or job is not self.jobs[index]:
             raise RuntimeError("bug: prefill must run the oldest jobs first, in order")
+        if not job.matched:
+            job.matched = True
+            self.match_prefixes(job)
         if job.seed is not None:
             self._seed(job)
         b = job.batch

@@ -113,7 +113,6 @@ def _restart(decoder: Decoder, job: PrefillJob, max_cols: int | None, *, alone: 
         max_cols=max_cols,
         alone=alone,
     )
-    decoder.match_prefixes(retry)
     decoder.jobs.appendleft(retry)
 
 

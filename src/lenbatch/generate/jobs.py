@@ -40,6 +40,10 @@ class PrefillJob:
     # Prompt columns whose keys and values come from the prefix cache: the first chunk runs
     # from here (0: none), after `seed` has filled the cache (`Decoder._seed`).
     first_col: int = 0
+    matched: bool = False  # looked up in the prefix cache (before its first chunk)
+    # Its rows repeat prompts of the job queued before it, whose blocks it waits for: it
+    # never rides in that job's forward (`policy._more`), so the blocks are kept first.
+    after_prefix: bool = False
     seed: Any = None  # (the `PrefixCache`, the rows' `PrefixMatch`es) until the cache is seeded
 
     @property

@@ -163,15 +163,16 @@ def _more(decoder: Decoder, cols: int, left: int) -> tuple[tuple[PrefillJob, int
     """Chunks of the jobs queued after the first, in order, for the `left` tokens of a unit's
     budget that the first job's chunk (`cols` columns) did not take. Nothing rides along
     unless that chunk ends its job (jobs finish in queue order); packing stops at a job that
-    its chunk does not end, one that must run alone (after a failed unit), and when the
-    budget is spent. Several short prompts of a burst then share one pass over the weights
-    instead of a unit each."""
+    its chunk does not end, one that must run alone (after a failed unit), one that waits for
+    the blocks of the job before it (`PrefillJob.after_prefix`), and when the budget is
+    spent. Several short prompts of a burst then share one pass over the weights instead of a
+    unit each."""
     jobs = decoder.jobs
     if decoder.mixer is None or jobs[0].alone or cols < jobs[0].remaining:
         return ()
     out: list[tuple[PrefillJob, int]] = []
     for job in list(jobs)[1:]:
-        if job.alone or left < job.rows:
+        if job.alone or job.after_prefix or left < job.rows:
             break
         cols = min(job.remaining, left // job.rows)
         if job.max_cols is not None:

@@ -19,11 +19,11 @@ it went through from the last to the first, so a shared system prompt outlives t
 it.
 
 `match` returns the longest run of cached blocks at the start of a prompt, short of its last
-token (one token must run to give the first logits); it runs where prefill jobs are made (the
-event loop). `store` (a prompt just prefilled) and `seed` (copy matched blocks into a job's empty
-cache) run in the engine's worker thread, one after the other; a block dropped between a match
-and its seed is noticed there (its slot may hold another block by then) and the job starts
-where what is left of its match ends. The table takes a lock for the two threads. Pure
+token (one token must run to give the first logits). It, `store` (a prompt just prefilled) and
+`seed` (copy matched blocks into a job's empty cache) run in the engine's worker thread, one
+after the other; `peek` (what admission may count on) runs on the event loop, so the table
+takes a lock. A block dropped between a match and its seed is noticed there (its slot may hold
+another block by then) and the job starts where what is left of its match ends. Pure
 otherwise: no clock, no model.
 """
 

@@ -56,7 +56,7 @@ __all__ = [
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 128  # as OpenAI's limit
-MAX_CHOICES = 16  # `n`: each choice is a prompt of its own in the batch (no shared prefill)
+MAX_CHOICES = 16  # `n`: each choice a row of its own (the prefix cache shares the prompt's blocks)
 # Seeds are 64-bit signed integers, as in vLLM (torch.Generator takes no wider value).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 

@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lenbatch.core.errors import BadInput, LenbatchError, ResponseNotFound
-from lenbatch.generate.api import (
+from lenbatch.generate.calls import (
     PriorityHeader,
     RequestTimeout,
     collect_texts,
