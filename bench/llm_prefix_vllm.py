@@ -14,9 +14,11 @@ one at a time, get the same greedy chat calls, streamed:
 * vLLM CPU (`vllm-allcores`: float32, the GGUF's weights dequantized; its prefix caching is
   on by default), with `--enable-prompt-tokens-details` so that it reports cached tokens too.
 
-Each server first answers one warm-up call (another question: it fills the cache), then the
-questions one at a time (time to first token and wall time per call), then all at once (a
-burst: TTFT P50 and P95, output tokens per second). The report gives each server's figures,
+Each server first gets `--questions` other questions all at once on the system prompt it
+has not seen (a burst on a new prompt: whoever prefills the shared head once wins), then one
+warm-up call (another question: it fills the cache), then the questions one at a time (time
+to first token and wall time per call), then all at once (a burst: TTFT P50 and P95, output
+tokens per second). The report gives each server's figures,
 the prompt tokens each says it took from its cache, and how many answers are identical to
 the baseline's.
 """
@@ -106,15 +108,25 @@ def call(url: str, model: str, system: str, question: str) -> dict[str, Any]:
     }
 
 
-def run_all(url: str, model: str, system: str, questions: list[str], warm: str) -> dict[str, Any]:
-    """A warm-up call, the questions in sequence, then all at once."""
-    call(url, model, system, warm)
-    seq = [call(url, model, system, q) for q in questions]
+def at_once(url: str, model: str, system: str, questions: list[str]) -> tuple[list[Any], float]:
+    """Every question at once: the calls' results and the wall seconds."""
     start = time.perf_counter()
     with ThreadPoolExecutor(len(questions)) as pool:
-        burst = list(pool.map(lambda q: call(url, model, system, q), questions))
-    wall = time.perf_counter() - start
-    return {"seq": seq, "burst": burst, "burst_wall": wall}
+        runs = list(pool.map(lambda q: call(url, model, system, q), questions))
+    return runs, time.perf_counter() - start
+
+
+def run_all(
+    url: str, model: str, system: str, questions: list[str], warm: str, cold: list[str]
+) -> dict[str, Any]:
+    """The `cold` questions all at once on a system prompt the server has not seen, then a
+    warm-up call, the questions in sequence, then all at once."""
+    out: dict[str, Any] = {}
+    out["cold"], out["cold_wall"] = at_once(url, model, system, cold)
+    call(url, model, system, warm)
+    out["seq"] = [call(url, model, system, q) for q in questions]
+    out["burst"], out["burst_wall"] = at_once(url, model, system, questions)
+    return out
 
 
 def _p95(xs: list[float]) -> float:
@@ -124,7 +136,9 @@ def _p95(xs: list[float]) -> float:
 def rows(name: str, r: dict[str, Any], base: dict[str, Any]) -> list[str]:
     """Markdown rows of one server: in sequence and in the burst."""
     out = []
-    for phase in ("seq", "burst"):
+    names = {"cold": "all at once, new system prompt", "seq": "one at a time",
+             "burst": "all at once"}  # fmt: skip
+    for phase in ("cold", "seq", "burst"):
         runs = r[phase]
         ttft = [1000 * x["ttft"] for x in runs]
         prompt = sum(x["prompt"] for x in runs)
@@ -133,9 +147,9 @@ def rows(name: str, r: dict[str, Any], base: dict[str, Any]) -> list[str]:
         if phase == "seq":
             tok_s = sum(x["tokens"] for x in runs) / sum(x["wall"] for x in runs)
         else:
-            tok_s = sum(x["tokens"] for x in runs) / r["burst_wall"]
+            tok_s = sum(x["tokens"] for x in runs) / r[f"{phase}_wall"]
         out.append(
-            f"| {name} | {'one at a time' if phase == 'seq' else 'all at once'} | "
+            f"| {name} | {names[phase]} | "
             f"{statistics.median(ttft):.0f} | {_p95(ttft):.0f} | {tok_s:.1f} | "
             f"{prompt / len(runs):.0f} | {cached}/{prompt} | {same}/{len(runs)} |"
         )
@@ -156,10 +170,12 @@ def main() -> int:
 
     from lenbatch.runners.hardware import processor_key
 
-    problems = gsm8k(args.shots + args.questions + 1)
+    n = args.questions
+    problems = gsm8k(args.shots + 2 * n + 1)
     system = system_prompt(problems[: args.shots])
     warm = problems[args.shots]["question"]
-    questions = [x["question"] for x in problems[args.shots + 1 :]]
+    questions = [x["question"] for x in problems[args.shots + 1 : args.shots + 1 + n]]
+    cold = [x["question"] for x in problems[args.shots + 1 + n :]]
     ours_t, peer_t = smollm2_pair(args.serve_args)
     off_t = dataclasses.replace(
         ours_t, name=f"{ours_t.name}-no-prefix", argv=(*ours_t.argv, "--prefix-cache-mb", "0")
@@ -167,7 +183,7 @@ def main() -> int:
     peer_t = dataclasses.replace(peer_t, argv=(*peer_t.argv, *shlex.split(args.peer_args)))
 
     def work(url: str, model: str) -> dict[str, Any]:
-        return run_all(url, model, system, questions, warm)
+        return run_all(url, model, system, questions, warm, cold)
 
     results = {}
     for name, target in (("lenbatch", ours_t), ("lenbatch, prefix cache off", off_t)):
@@ -184,8 +200,9 @@ def main() -> int:
         f"`vllm-allcores` (float32, the GGUF's weights dequantized, `{args.peer_args}`), one "
         f"at a time. Chat calls, greedy, streamed, `max_tokens={MAX_TOKENS}`: a system prompt "
         f"of instructions and {args.shots} worked GSM8K problems, then one of "
-        f"{len(questions)} other GSM8K questions; one warm-up call first (another question), "
-        "then the questions one at a time, then all at once.",
+        f"{len(questions)} other GSM8K questions. First {len(cold)} more questions all at "
+        "once on the system prompt the server has not seen yet, then one warm-up call "
+        "(another question), then the questions one at a time, then all at once.",
         "",
         "| server | calls | TTFT P50 ms | TTFT P95 ms | output tok/s | mean prompt tokens | "
         "prompt tokens cached | texts identical to lenbatch without its cache |",

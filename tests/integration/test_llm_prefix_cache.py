@@ -256,3 +256,61 @@ async def test_choices_of_one_prompt_prefill_it_once(
     finally:
         await alone_sampled.stop()
     assert both[1] == ref
+
+
+async def test_a_burst_on_a_new_system_prompt_prefills_it_once(llama_runner: Any) -> None:
+    """Six prompts behind one system text nobody has sent before, in one batch: one row
+    prefills the shared head, the other five wait for it in a job of their own and take its
+    blocks; every row still gets generate()'s tokens."""
+    prompts, _ = _prompts(llama_runner)
+    expected = [reference_greedy(llama_runner, p, MAX_NEW) for p in prompts]
+    engine = _engine(llama_runner)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    await engine.start()
+    try:
+        seqs = [engine.submit(p, params) for p in prompts]
+        got = await asyncio.gather(*(_collect(engine, s) for s in seqs))
+    finally:
+        await engine.stop()
+    assert got == expected
+    cached = [s.cached_tokens for s in seqs]
+    assert cached[0] == 0 and max(cached) >= 3 * BLOCK_TOKENS
+    assert engine.decoder.prefixes.stats()["hit_tokens"] == sum(cached)
+
+
+def _gens(runner: Any, prompts: list[list[int]]) -> list[Any]:
+    from lenbatch.core.request import Request
+    from lenbatch.generate.generation import Timings
+    from lenbatch.generate.streams import open_generation
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    return [
+        open_generation(Request(len(p), 0.0, p), params, runner, Timings(arrival=0.0))
+        for p in prompts
+    ]
+
+
+def test_which_rows_wait_for_a_shared_head(llama_runner: Any) -> None:
+    """The decoder's split: a batch's rows behind one uncached head go after its first row;
+    a later batch behind the same head waits for the queued job (never in its forward);
+    rows that share only a block, or a head the cache already holds, run side by side."""
+    from lenbatch.generate.decode import SHARED_BLOCKS, Decoder
+    from lenbatch.generate.prefixcache import PrefixCache
+
+    prompts, _ = _prompts(llama_runner)
+    d = Decoder(llama_runner, lambda: 0.0, True, prefixes=PrefixCache(1 << 26))
+    first = d.add_job(0, _gens(llama_runner, prompts[:3]), None)
+    assert [j.rows for j in d.jobs] == [1, 2]
+    assert not first.after_prefix and not first.releases
+    assert d.jobs[1].after_prefix and d.jobs[1].releases
+    later = d.add_job(1, _gens(llama_runner, prompts[3:4]), None)
+    assert later.after_prefix and later.rows == 1
+    # prompts that share less than SHARED_BLOCKS whole blocks are not split
+    short = [[7] * (BLOCK_TOKENS * (SHARED_BLOCKS - 1)) + [i] * BLOCK_TOKENS for i in (1, 2)]
+    apart = Decoder(llama_runner, lambda: 0.0, True, prefixes=PrefixCache(1 << 26))
+    apart.add_job(0, _gens(llama_runner, short), None)
+    assert [j.rows for j in apart.jobs] == [2]
+    # without a prefix cache nothing is split
+    plain = Decoder(llama_runner, lambda: 0.0, True)
+    plain.add_job(0, _gens(llama_runner, prompts[:3]), None)
+    assert [j.rows for j in plain.jobs] == [3] and not plain.jobs[0].after_prefix

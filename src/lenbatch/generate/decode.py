@@ -28,7 +28,7 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
-from lenbatch.generate.prefixcache import BLOCK_TOKENS, PrefixCache
+from lenbatch.generate.prefixcache import BLOCK_TOKENS, PrefixCache, block_chain
 from lenbatch.generate.sampling import choose_tokens, mask_eos, penalize, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
@@ -38,6 +38,10 @@ __all__ = ["Decoder", "choose_next"]
 
 # Decode steps a new running batch's buffers take room for at once (columns after its window).
 _RESERVED_STEPS = 256
+# Blocks of a prompt head, not in the prefix cache, that rows must share to be prefilled one
+# after another (the head once) rather than side by side (the head in every row): a second
+# job costs one more pass over the weights, about what a few dozen prompt tokens cost.
+SHARED_BLOCKS = 2
 
 log = logging.getLogger(__name__)
 
@@ -131,40 +135,68 @@ class Decoder:
     def add_job(self, lane: int, gens: list[Generation], pad_to: int | None) -> PrefillJob:
         """Collate a scheduler batch (left padding, position ids) and queue it for prefill.
 
-        With the prefix cache, rows whose prompt another row of the batch already has (a
-        call's `n` choices) go into a second job queued right behind the first: by the time
-        it starts, the first has kept the prompt's blocks, so each such row prefills only
-        the prompt's last, partial block instead of the whole prompt again. Only the second
-        job frees the scheduler's slot (it counted the batch once)."""
-        firsts, again = self._first_of_each_prompt(gens)
-        if not again:
-            job = self.new_job(lane, gens, pad_to=pad_to)
-            self.jobs.append(job)
-            return job
-        job = self.new_job(lane, firsts, pad_to=pad_to, releases=False)
+        With the prefix cache, a prompt head that several prompts share and the cache does
+        not hold yet (at least `SHARED_BLOCKS` blocks of it: a new system prompt in a burst,
+        a call's `n` choices) is prefilled once: rows whose head another row of the batch
+        has go into a second job queued right behind the first, and a job whose rows share
+        such a head with a job queued before it waits for that one (`after_prefix`: never in
+        its forward). By the time it starts, the blocks are kept, and each row prefills only
+        what follows them. Only the last job frees the scheduler's slot (it counted the
+        batch once)."""
+        firsts, again = self._split_shared(gens)
+        job = self.new_job(lane, firsts, pad_to=pad_to, releases=not again)
+        self._follow_queued(job)
         self.jobs.append(job)
-        later = self.new_job(lane, again, pad_to=pad_to)
-        later.after_prefix = True
-        self.jobs.append(later)
+        if again:
+            later = self.new_job(lane, again, pad_to=pad_to)
+            later.after_prefix = True
+            later.chains = [block_chain(self._ids(g)) for g in again]
+            self.jobs.append(later)
         return job
 
-    def _first_of_each_prompt(
-        self, gens: list[Generation]
-    ) -> tuple[list[Generation], list[Generation]]:
-        """`gens` split into the first with each prompt and the rest (the rest empty where
-        nothing is gained: no prefix cache, or prompts shorter than a block)."""
+    @staticmethod
+    def _ids(g: Generation) -> list[int]:
+        return (g.request.token_ids or []) + g.generated
+
+    def _uncached_head(self, ids: list[int]) -> int:
+        """Blocks of `ids` rows must share, counted from its first, to gain from prefilling
+        it once: those the cache holds plus `SHARED_BLOCKS`."""
+        assert self.prefixes is not None
+        return self.prefixes.peek(ids) // BLOCK_TOKENS + SHARED_BLOCKS
+
+    def _split_shared(self, gens: list[Generation]) -> tuple[list[Generation], list[Generation]]:
+        """`gens` split into rows to prefill first and rows whose uncached head (at least
+        `SHARED_BLOCKS` blocks) one of those shares (the second list empty where nothing is
+        gained, and without a prefix cache)."""
         if self.prefixes is None or len(gens) < 2:
             return gens, []
-        seen: set[tuple[int, ...]] = set()
-        firsts, again = [], []
+        firsts: list[list[int]] = []
+        keep: list[Generation] = []
+        again: list[Generation] = []
         for g in gens:
-            ids = tuple(g.request.token_ids or ()) + tuple(g.generated)
-            if ids in seen and len(ids) > BLOCK_TOKENS:
+            ids = self._ids(g)
+            chain = block_chain(ids)
+            if _shares(chain, self._uncached_head(ids), firsts):
                 again.append(g)
             else:
-                seen.add(ids)
-                firsts.append(g)
-        return firsts, again
+                firsts.append(chain)
+                keep.append(g)
+        return keep, again
+
+    def _follow_queued(self, job: PrefillJob) -> None:
+        """Mark `job` to wait for the jobs queued before it where a row shares an uncached
+        head of `SHARED_BLOCKS` blocks or more with one of theirs (their prefill keeps it);
+        keep its rows' block chains for the jobs that come after."""
+        if self.prefixes is None:
+            return
+        queued = [c for other in self.jobs for c in other.chains]
+        job.chains = []
+        for g in job.gens:
+            ids = self._ids(g)
+            chain = block_chain(ids)
+            job.chains.append(chain)
+            if queued and _shares(chain, self._uncached_head(ids), queued):
+                job.after_prefix = True
 
     def new_job(
         self,
@@ -510,6 +542,14 @@ class Decoder:
             elif self.running is not None:
                 self.running.select(keep)
         return self.release_held()
+
+
+def _shares(chain: list[int], k: int, others: Sequence[list[int]]) -> bool:
+    """True where one of `others` has the same first `k` blocks as `chain` (block chains:
+    `prefixcache.block_chain`)."""
+    if len(chain) < k:
+        return False
+    return any(len(c) >= k and c[k - 1] == chain[k - 1] for c in others)
 
 
 def _allows_more_than(allowed: torch.Tensor, eos: frozenset[int], stops: tuple[int, ...]) -> bool:

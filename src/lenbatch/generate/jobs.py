@@ -44,6 +44,9 @@ class PrefillJob:
     # Its rows repeat prompts of the job queued before it, whose blocks it waits for: it
     # never rides in that job's forward (`policy._more`), so the blocks are kept first.
     after_prefix: bool = False
+    # Its rows' block chains (`prefixcache.block_chain`), for the jobs queued after it to
+    # tell whether they share its head; empty without a prefix cache.
+    chains: list[list[int]] = field(default_factory=list)
     seed: Any = None  # (the `PrefixCache`, the rows' `PrefixMatch`es) until the cache is seeded
 
     @property

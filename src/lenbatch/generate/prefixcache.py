@@ -38,12 +38,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_TOKENS", "PrefixCache", "PrefixMatch"]
+__all__ = ["BLOCK_TOKENS", "PrefixCache", "PrefixMatch", "block_chain"]
 
 # Tokens per block. vLLM's default on GPUs; small enough that two prompts sharing a 40-token
 # system prompt reuse 32 of it, large enough that the table's Python work (one dict lookup
 # per block) stays far below a prefill's.
 BLOCK_TOKENS = 16
+
+
+def block_chain(ids: Sequence[int]) -> list[int]:
+    """For each whole block of `ids`, a hash of it and every block before it: two prompts
+    share their first k blocks where their k-th entries are equal (but for a collision). For
+    deciding what to prefill first only; lookups compare the tokens themselves."""
+    out: list[int] = []
+    h = 0
+    for j in range(len(ids) // BLOCK_TOKENS):
+        h = hash((h, tuple(ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS])))
+        out.append(h)
+    return out
 
 
 class _Block:
