@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,9 @@ import jsonschema
 import llguidance
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from lenbatch.config import Settings
-from tests.integration.conftest import LiveServer
 from tests.integration.test_llm_structured import _reference
-from tests.integration.test_llm_tools import ASK, TOOLS, TOOLS_TEMPLATE, WEATHER
+from tests.integration.test_llm_tools import ASK, TOOLS, WEATHER, serve_with_tools_template
 
 pytestmark = pytest.mark.slow
 
@@ -42,25 +38,10 @@ SAID = r"(Sure|Let me look)\. "
 def hermes_llm(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """(base URL, runner) of the tiny Llama with `TOOLS_TEMPLATE`, served with the hermes
     tool-call parser."""
-    from lenbatch.config import BatchingConfig, GenerationConfig
-    from lenbatch.generate import GenerationEngine
-    from lenbatch.generate.api import create_llm_app
-    from lenbatch.runners.causal import CausalLMRunner
-
-    folder = tmp_path_factory.mktemp("tiny-hermes") / "model"
-    shutil.copytree(tiny_llama_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(folder)
-    runner = CausalLMRunner(folder, name="tiny-tools")
-    engine = GenerationEngine(
-        runner,
-        BatchingConfig(boundaries=(32, 64, 128), max_batch=4, max_wait_ms=2),
-        generation=GenerationConfig(tool_call_parser="hermes"),
-    )
-    app = create_llm_app(engine, Settings.model_validate({"model": {"name": "tiny-tools"}}))
-    with LiveServer(None, app=app) as server:
-        yield server.url, runner
+    with serve_with_tools_template(
+        tiny_llama_dir, tmp_path_factory, tool_call_parser="hermes"
+    ) as served:
+        yield served
 
 
 def _text(runner: Any, pattern: str) -> str:

@@ -7,21 +7,18 @@ client reads `usage.prompt_tokens_details.cached_tokens`."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from lenbatch.config import BatchingConfig, DecodeMode, GenerationConfig, Settings
 from lenbatch.generate import Generation, GenerationEngine, SamplingParams
 from lenbatch.generate.api import create_llm_app
 from lenbatch.generate.prefixcache import BLOCK_TOKENS
+from tests.integration.conftest import LiveServer
+from tests.integration.test_generate_equality import _collect
 from tests.llm_reference import MAX_NEW, PROMPTS, reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -35,13 +32,6 @@ SYSTEM = (
 def _engine(runner: Any, mode: DecodeMode = DecodeMode.CONTINUOUS, **gen: Any) -> Any:
     batching = BatchingConfig(boundaries=(256,), max_batch=8, max_wait_ms=20)
     return GenerationEngine(runner, batching, generation=GenerationConfig(mode=mode, **gen))
-
-
-async def _collect(engine: GenerationEngine, seq: Generation) -> list[int]:
-    tokens: list[int] = []
-    async for delta in engine.stream(seq):
-        tokens.extend(delta.token_ids)
-    return tokens
 
 
 async def _waves(
@@ -143,32 +133,6 @@ async def test_a_budget_of_a_few_blocks_keeps_the_most_recent(llama_runner: Any)
     assert late[0].cached_tokens < shared  # some of its blocks made way for the other text
 
 
-class _Served:
-    def __init__(self, engine: GenerationEngine, url: str) -> None:
-        self.engine = engine
-        self.url = url
-
-
-@contextmanager
-def _serve(engine: GenerationEngine) -> Iterator[_Served]:
-    settings = Settings.model_validate({"model": {"name": "tiny-llama"}})
-    app = create_llm_app(engine, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield _Served(engine, f"http://127.0.0.1:{port}")
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 def test_openai_usage_reports_the_cached_prompt_tokens(llama_runner: Any) -> None:
     """A chat with a long system message, sent twice: the second answer is the same text
     (generate()'s), its usage says how many prompt tokens came from the cache (whole and
@@ -184,7 +148,8 @@ def test_openai_usage_reports_the_cached_prompt_tokens(llama_runner: Any) -> Non
         BatchingConfig(boundaries=(8, 16, 32), max_batch=4, max_wait_ms=2),
         generation=GenerationConfig(),
     )
-    with _serve(engine) as s:
+    app = create_llm_app(engine, Settings.model_validate({"model": {"name": "tiny-llama"}}))
+    with LiveServer(None, app=app) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=60)
         kw: dict[str, Any] = {"model": "tiny-llama", "messages": messages, "max_tokens": 10}
         first = client.chat.completions.create(temperature=0, **kw)

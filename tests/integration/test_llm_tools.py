@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX = 200  # JSON may carry whitespace anywhere (as in vLLM); a random model spends tokens on it
 
 
-@pytest.fixture(scope="module")
-def tools_llm(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """(base URL, runner) of the tiny Llama with `TOOLS_TEMPLATE` behind uvicorn."""
+@contextmanager
+def serve_with_tools_template(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, **generation: Any
+) -> Iterator[tuple[str, Any]]:
+    """(base URL, runner) of a copy of the tiny Llama with `TOOLS_TEMPLATE` behind uvicorn,
+    its engine's `GenerationConfig` given `generation`."""
     from lenbatch.config import BatchingConfig, GenerationConfig
     from lenbatch.generate import GenerationEngine
     from lenbatch.generate.api import create_llm_app
@@ -88,11 +92,20 @@ def tools_llm(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     engine = GenerationEngine(
         runner,
         BatchingConfig(boundaries=(32, 64, 128), max_batch=4, max_wait_ms=2),
-        generation=GenerationConfig(default_max_tokens=16),
+        generation=GenerationConfig(**generation),
     )
     app = create_llm_app(engine, Settings.model_validate({"model": {"name": "tiny-tools"}}))
     with LiveServer(None, app=app) as server:
         yield server.url, runner
+
+
+@pytest.fixture(scope="module")
+def tools_llm(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """(base URL, runner) of the tiny Llama with `TOOLS_TEMPLATE` behind uvicorn."""
+    with serve_with_tools_template(
+        tiny_llama_dir, tmp_path_factory, default_max_tokens=16
+    ) as served:
+        yield served
 
 
 def _client(url: str) -> openai.OpenAI:
