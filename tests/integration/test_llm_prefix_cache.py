@@ -259,8 +259,9 @@ def test_which_rows_wait_for_a_shared_head(llama_runner: Any) -> None:
     """The decoder's split: a batch's rows behind one uncached head go after its first row;
     a later batch behind the same head waits for the queued job (never in its forward);
     rows that share only a block, or a head the cache already holds, run side by side."""
-    from lenbatch.generate.decode import SHARED_BLOCKS, Decoder
+    from lenbatch.generate.decode import Decoder
     from lenbatch.generate.prefixcache import PrefixCache
+    from lenbatch.generate.prefixjobs import SHARED_BLOCKS
 
     prompts, _ = _prompts(llama_runner)
     d = Decoder(llama_runner, lambda: 0.0, True, prefixes=PrefixCache(1 << 26))

@@ -28,7 +28,14 @@ from lenbatch.core.collate import collate
 from lenbatch.generate.generation import Generation
 from lenbatch.generate.jobs import PrefillJob, UnitResult
 from lenbatch.generate.kvcache import KVBatch, cache_bytes, fill_from_tail
-from lenbatch.generate.prefixcache import BLOCK_TOKENS, PrefixCache, block_chain
+from lenbatch.generate.prefixcache import PrefixCache
+from lenbatch.generate.prefixjobs import (
+    follow_queued,
+    keep_prefixes,
+    row_ids,
+    split_shared,
+    start_from_cache,
+)
 from lenbatch.generate.sampling import choose_tokens, mask_eos, penalize, step_logprobs
 from lenbatch.generate.shapes import FixedShapes
 from lenbatch.runners.base import CausalRunner, MixingRunner, Segment
@@ -38,10 +45,6 @@ __all__ = ["Decoder", "choose_next"]
 
 # Decode steps a new running batch's buffers take room for at once (columns after its window).
 _RESERVED_STEPS = 256
-# Blocks of a prompt head, not in the prefix cache, that rows must share to be prefilled one
-# after another (the head once) rather than side by side (the head in every row): a second
-# job costs one more pass over the weights, about what a few dozen prompt tokens cost.
-SHARED_BLOCKS = 2
 
 log = logging.getLogger(__name__)
 
@@ -136,67 +139,20 @@ class Decoder:
         """Collate a scheduler batch (left padding, position ids) and queue it for prefill.
 
         With the prefix cache, a prompt head that several prompts share and the cache does
-        not hold yet (at least `SHARED_BLOCKS` blocks of it: a new system prompt in a burst,
-        a call's `n` choices) is prefilled once: rows whose head another row of the batch
-        has go into a second job queued right behind the first, and a job whose rows share
-        such a head with a job queued before it waits for that one (`after_prefix`: never in
-        its forward). By the time it starts, the blocks are kept, and each row prefills only
-        what follows them. Only the last job frees the scheduler's slot (it counted the
-        batch once)."""
-        firsts, again = self._split_shared(gens)
+        not hold yet is prefilled once (`generate.prefixjobs`): rows whose head another row
+        of the batch has go into a second job queued right behind the first, and a job
+        whose rows share such a head with a job queued before it waits for that one. Only
+        the last job frees the scheduler's slot (it counted the batch once)."""
+        firsts, again = split_shared(self.prefixes, gens)
         job = self.new_job(lane, firsts, pad_to=pad_to, releases=not again)
-        self._follow_queued(job)
+        follow_queued(self.prefixes, job, self.jobs)
         self.jobs.append(job)
         if again:
             later = self.new_job(lane, again, pad_to=pad_to)
+            follow_queued(self.prefixes, later, self.jobs)
             later.after_prefix = True
-            later.chains = [block_chain(self._ids(g)) for g in again]
             self.jobs.append(later)
         return job
-
-    @staticmethod
-    def _ids(g: Generation) -> list[int]:
-        return (g.request.token_ids or []) + g.generated
-
-    def _uncached_head(self, ids: list[int]) -> int:
-        """Blocks of `ids` rows must share, counted from its first, to gain from prefilling
-        it once: those the cache holds plus `SHARED_BLOCKS`."""
-        assert self.prefixes is not None
-        return self.prefixes.peek(ids) // BLOCK_TOKENS + SHARED_BLOCKS
-
-    def _split_shared(self, gens: list[Generation]) -> tuple[list[Generation], list[Generation]]:
-        """`gens` split into rows to prefill first and rows whose uncached head (at least
-        `SHARED_BLOCKS` blocks) one of those shares (the second list empty where nothing is
-        gained, and without a prefix cache)."""
-        if self.prefixes is None or len(gens) < 2:
-            return gens, []
-        firsts: list[list[int]] = []
-        keep: list[Generation] = []
-        again: list[Generation] = []
-        for g in gens:
-            ids = self._ids(g)
-            chain = block_chain(ids)
-            if _shares(chain, self._uncached_head(ids), firsts):
-                again.append(g)
-            else:
-                firsts.append(chain)
-                keep.append(g)
-        return keep, again
-
-    def _follow_queued(self, job: PrefillJob) -> None:
-        """Mark `job` to wait for the jobs queued before it where a row shares an uncached
-        head of `SHARED_BLOCKS` blocks or more with one of theirs (their prefill keeps it);
-        keep its rows' block chains for the jobs that come after."""
-        if self.prefixes is None:
-            return
-        queued = [c for other in self.jobs for c in other.chains]
-        job.chains = []
-        for g in job.gens:
-            ids = self._ids(g)
-            chain = block_chain(ids)
-            job.chains.append(chain)
-            if queued and _shares(chain, self._uncached_head(ids), queued):
-                job.after_prefix = True
 
     def new_job(
         self,
@@ -214,7 +170,7 @@ class Decoder:
         what it has generated so far, then continues where it was (vLLM's recompute).
         """
         batch = collate(
-            [(g.request.token_ids or []) + g.generated for g in gens],
+            [row_ids(g) for g in gens],
             self.runner.info.pad_token_id,
             "left",
             pad_to=pad_to,
@@ -225,60 +181,10 @@ class Decoder:
             lane, gens, batch, cache, releases=releases, max_cols=max_cols, alone=alone
         )
 
-    def match_prefixes(self, job: PrefillJob) -> None:
-        """Start `job` past the prompt columns the prefix cache holds for every row (a
-        left-padded row's cached prefix ends at its start plus the match; the job starts at
-        the earliest such end). Runs in the worker before the job's first chunk, so that a
-        job queued behind another with the same prompt head finds the blocks that one kept;
-        `_seed` then copies them."""
-        for g in job.gens:
-            if not g.generated:
-                g.cached_tokens = 0  # (an estimate at the door, until the match below)
-        if self.prefixes is None:
-            return
-        b = job.batch
-        starts = [b.width - n for n in b.lengths]
-        matches = [self.prefixes.match(b.input_ids[i, s:].tolist()) for i, s in enumerate(starts)]
-        first = min(s + m.tokens for s, m in zip(starts, matches, strict=True))
-        if all(first <= s for s in starts):
-            first = 0  # nothing cached for some row: it would gain nothing
-        else:
-            job.first_col = job.done_cols = first
-            job.seed = (self.prefixes, matches)
-        fresh = [(g, s) for g, s in zip(job.gens, starts, strict=True) if not g.generated]
-        for g, s in fresh:  # (a preempted row's prompt was counted when it first ran)
-            g.cached_tokens = max(0, first - s)
-        self.prefixes.count(
-            len(fresh), sum(b.width - s for _, s in fresh), sum(g.cached_tokens for g, _ in fresh)
-        )
-
-    def _seed(self, job: PrefillJob) -> None:
-        """Copy `job`'s cached prefixes into its empty cache (its first chunk is next). A
-        block dropped since the lookup moves the job's start back to what is left."""
-        prefixes, matches = job.seed
-        job.seed = None
-        b = job.batch
-        starts = [b.width - n for n in b.lengths]
-        cols = prefixes.seed(job.cache, matches, starts, job.first_col)
-        if cols != job.first_col:
-            job.first_col = job.done_cols = cols
-            for g, s in zip(job.gens, starts, strict=True):
-                if not g.generated:
-                    g.cached_tokens = max(0, cols - s)
-
     def _store_prefixes(self, job: PrefillJob) -> None:
-        """Keep the whole blocks of `job`'s prompts (its prefill just ended) that the prefix
-        cache lacks. A cache that keeps no whole prefix (sliding-window layers, a compiled
-        shape's static cache) turns the prefix cache off, once, with a line in the log."""
-        if self.prefixes is None:
-            return
-        b = job.batch
-        starts = [b.width - n for n in b.lengths]
-        rows = [b.input_ids[i, s:].tolist() for i, s in enumerate(starts)]
-        try:
-            self.prefixes.store(job.cache, rows, starts)
-        except (ValueError, AttributeError, TypeError, IndexError, RuntimeError) as e:
-            log.warning("prefix cache off: this model's KV cache cannot be reused (%s)", e)
+        """Keep `job`'s prompt blocks (its prefill just ended); a model whose cache keeps
+        no whole prefix turns the prefix cache off (`prefixjobs.keep_prefixes`)."""
+        if self.prefixes is not None and not keep_prefixes(self.prefixes, job):
             self.prefixes = None
 
     # ------------------------------------------------------------------ units
@@ -288,11 +194,9 @@ class Decoder:
         `job` is the unit's `index`-th chunk."""
         if index >= len(self.jobs) or job is not self.jobs[index]:
             raise RuntimeError("bug: prefill must run the oldest jobs first, in order")
-        if not job.matched:
+        if not job.matched:  # just before its first chunk: what the jobs before it kept
             job.matched = True
-            self.match_prefixes(job)
-        if job.seed is not None:
-            self._seed(job)
+            start_from_cache(self.prefixes, job)
         b = job.batch
         lo, hi = job.done_cols, min(b.width, job.done_cols + max(1, cols))
         dev = self.runner.device
@@ -542,14 +446,6 @@ class Decoder:
             elif self.running is not None:
                 self.running.select(keep)
         return self.release_held()
-
-
-def _shares(chain: list[int], k: int, others: Sequence[list[int]]) -> bool:
-    """True where one of `others` has the same first `k` blocks as `chain` (block chains:
-    `prefixcache.block_chain`)."""
-    if len(chain) < k:
-        return False
-    return any(len(c) >= k and c[k - 1] == chain[k - 1] for c in others)
 
 
 def _allows_more_than(allowed: torch.Tensor, eos: frozenset[int], stops: tuple[int, ...]) -> bool:
